@@ -1,0 +1,79 @@
+# The one entry point for every task. `make` alone runs the copy-task example.
+#
+#   make run        set up, then train the copy task on the CPU and print its decodes
+#   make test       set up, then run the test suite
+#   make notebook   the_annotated_transformer.py -> notebooks/the_annotated_transformer.ipynb
+#   make sync       jupytext --sync: bring the .py and the notebook level, either way
+#   make script     notebooks/the_annotated_transformer.ipynb -> the_annotated_transformer.py
+#   make figures    write the book's figures to images/
+#   make lint       ruff check and ruff format --check
+#   make format     ruff format, then ruff check --fix
+#   make clean      remove caches and executed-notebook leftovers (keeps the venv)
+#
+# Override on the command line, e.g. `make test PYTHON=python3.11 DATA_DIR=/data/m30k`.
+
+PYTHON ?= python3
+VENV ?= .venv
+DATA_DIR ?= ../shared/data/multi30k
+PYTEST_ARGS ?=
+
+BIN := $(VENV)/bin
+VENV_PYTHON := $(BIN)/python
+STAMP := $(VENV)/.installed
+BOOK := the_annotated_transformer.py
+NOTEBOOK := notebooks/the_annotated_transformer.ipynb
+
+.DEFAULT_GOAL := run
+.PHONY: setup run test notebook sync script figures lint format clean
+
+# The tests that need Multi30k find it through this variable; the library itself never
+# assumes a data path. Set only when the folder is there.
+ifneq ($(wildcard $(DATA_DIR)/.),)
+test: export ANNOTATED_TRANSFORMER_DATA := $(abspath $(DATA_DIR))
+endif
+
+setup: $(STAMP)
+
+$(VENV_PYTHON):
+	$(PYTHON) -m venv $(VENV)
+
+# Reinstalls only when a requirements file is newer than the stamp.
+$(STAMP): requirements.txt requirements-dev.txt | $(VENV_PYTHON)
+	$(VENV_PYTHON) -m pip install -r requirements-dev.txt
+	touch $@
+
+run: $(STAMP)
+	$(VENV_PYTHON) $(BOOK) copy
+
+test: $(STAMP)
+	$(VENV_PYTHON) -m pytest $(PYTEST_ARGS)
+
+# The notebook is written without outputs: the .py holds none to give it.
+notebook: $(STAMP)
+	mkdir -p $(dir $(NOTEBOOK))
+	$(BIN)/jupytext --to ipynb --output $(NOTEBOOK) $(BOOK)
+
+# The pairing comes from `formats: notebooks//ipynb,py:percent` in the .py header;
+# the newer of the two files is the source.
+sync: $(STAMP)
+	$(BIN)/jupytext --sync $(BOOK)
+
+script: $(STAMP)
+	$(BIN)/jupytext --to py:percent --output $(BOOK) $(NOTEBOOK)
+
+figures: $(STAMP)
+	$(VENV_PYTHON) $(BOOK) figures --out images/
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean:
+	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -exec rm -rf {} +
+	rm -rf .pytest_cache .ruff_cache
+	rm -f notebooks/*.executed.ipynb notebooks/*.html
+	rm -rf notebooks/.ipynb_checkpoints .ipynb_checkpoints
