@@ -1281,8 +1281,9 @@ def rate(step, model_size, factor, warmup):
 
 def make_optimizer(model, base_lr=1.0, model_size=512, factor=1.0, warmup=4000):
     """Adam with the paper's betas and eps, and a LambdaLR running `rate`."""
+    # fused=True updates all parameters in one kernel instead of a dozen per tensor.
     optimizer = torch.optim.Adam(
-        model.parameters(), lr=base_lr, betas=(0.9, 0.98), eps=1e-9
+        model.parameters(), lr=base_lr, betas=(0.9, 0.98), eps=1e-9, fused=True
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda=lambda step: rate(step, model_size, factor, warmup)
@@ -1342,11 +1343,19 @@ show_example(chart_learning_rate)
 # $\epsilon_{ls} = 0.1$ evenly over the other words. The model becomes less certain,
 # which the paper notes hurts perplexity but improves accuracy and BLEU.
 #
-# `LabelSmoothing` builds that target distribution $q$ for each position and measures
-# the Kullback–Leibler divergence $\sum_c q_c (\log q_c - \log p_c)$ from the model's
+# `LabelSmoothing` measures the Kullback–Leibler divergence
+# $\sum_c q_c (\log q_c - \log p_c)$ from that target distribution $q$ to the model's
 # log-probabilities $\log p$. The padding word never gets probability in the target,
 # so the $\epsilon_{ls}$ is shared among the `size - 2` words that are neither the
 # correct one nor padding, and positions whose target is padding contribute nothing.
+#
+# `smoothed_targets` builds $q$ explicitly (the chart below shows it). `forward`
+# computes the same sum without materialising $q$, which would be a
+# tokens × vocabulary table per batch: since $q$ takes only two values, the sum
+# splits into $(1-\epsilon_{ls})\log p_{\text{target}}$, $\frac{\epsilon_{ls}}{size-2}$
+# times the sum of the other non-padding log-probabilities, and the constant
+# $\sum_c q_c \log q_c$ (`neg_entropy`). A test checks it against
+# `torch.nn.KLDivLoss` on the explicit $q$.
 #
 # > **Note.** The KL divergence differs from the cross-entropy $-\sum_c q_c \log p_c$
 # > only by $\sum_c q_c \log q_c$, a constant that depends on $\epsilon_{ls}$ and the
@@ -1370,26 +1379,56 @@ class LabelSmoothing(nn.Module):
             )
         if not 0.0 <= smoothing < 1.0:
             raise ValueError(f"smoothing must be in [0, 1), got {smoothing!r}.")
-        self.criterion = nn.KLDivLoss(reduction="sum")
         self.padding_idx = padding_idx
         self.confidence = 1.0 - smoothing
         self.smoothing = smoothing
         self.size = size
-        self.true_dist = None
+        self._last_target = None
+
+    def smoothed_targets(self, target):
+        """The target distribution q, one row per target id: (n, size)."""
+        true_dist = torch.full(
+            (target.size(0), self.size),
+            self.smoothing / (self.size - 2),
+            device=target.device,
+        )
+        true_dist.scatter_(1, target.unsqueeze(1), self.confidence)
+        true_dist[:, self.padding_idx] = 0
+        return true_dist.masked_fill_((target == self.padding_idx).unsqueeze(1), 0.0)
+
+    @property
+    def true_dist(self):
+        """q for the targets of the last call (as in the original notebook)."""
+        if self._last_target is None:
+            return None
+        return self.smoothed_targets(self._last_target)
 
     def forward(self, x, target):
         """x: (n, size) log-probabilities; target: (n,) ids. Returns the summed loss."""
-        if x.size(1) != self.size:
+        if x.dim() != 2 or x.size(1) != self.size:
             raise ValueError(
-                f"LabelSmoothing(size={self.size}) got scores for {x.size(1)} classes; "
-                "size must equal the target vocabulary size."
+                f"LabelSmoothing(size={self.size}) expects scores of shape (n, "
+                f"{self.size}), got {tuple(x.shape)}; size must equal the target "
+                "vocabulary size."
             )
-        true_dist = torch.full_like(x, self.smoothing / (self.size - 2))
-        true_dist.scatter_(1, target.unsqueeze(1), self.confidence)
-        true_dist[:, self.padding_idx] = 0
-        true_dist.masked_fill_((target == self.padding_idx).unsqueeze(1), 0.0)
-        self.true_dist = true_dist
-        return self.criterion(x, true_dist.detach())
+        self._last_target = target.detach()
+        # sum_c q_c (log q_c - x_c), written out for q above without building q:
+        # q puts `confidence` on the target, `spread` on every other non-padding word.
+        spread = self.smoothing / (self.size - 2)
+        pad = self.padding_idx
+        x_target = x.gather(1, target.unsqueeze(1)).squeeze(1)
+        x_others = x[:, :pad].sum(1) + x[:, pad + 1 :].sum(1) - x_target
+        cross_entropy = -(self.confidence * x_target + spread * x_others)
+        per_row = cross_entropy + self.neg_entropy()  # + sum_c q_c log q_c
+        return per_row.masked_fill(target == pad, 0.0).sum()
+
+    def neg_entropy(self):
+        """sum_c q_c log q_c for one non-padding row: the constant part of the loss."""
+        spread = self.smoothing / (self.size - 2)
+        value = self.confidence * math.log(self.confidence)
+        if spread > 0:
+            value += (self.size - 2) * spread * math.log(spread)
+        return value
 
 
 # %% [markdown]
@@ -1594,9 +1633,13 @@ def greedy_decode(
 # %% [markdown]
 # ### Training the copy task
 #
-# The settings live in a dataclass. The model is smaller than the paper's ($d_{\text{model}}
-# = 128$, 2 layers) so that it trains in well under a minute on a laptop CPU; it still
-# reaches an exact copy.
+# The settings live in a dataclass. The model is smaller than the paper's
+# ($d_{\text{model}} = 128$, 2 layers) so that it trains in well under a minute on a
+# laptop CPU. We tuned three settings on held-out sequences until 2,000 of 2,000 came
+# back exact: dropout is off (random sequences leave nothing to overfit, and dropout
+# only slowed learning), the warm-up is short (50 steps) and the peak learning rate
+# modest, so the rate is already decaying during the last epochs instead of peaking at
+# the end of the 500 steps.
 #
 # > **Note (a fix).** The original demo decoded a source that started with symbol 0,
 # > which is the padding id the model was trained with, and used 0 as the start symbol.
@@ -1615,13 +1658,13 @@ class CopyTaskConfig:
     d_model: int = 128
     d_ff: int = 512
     h: int = 4
-    dropout: float = 0.1
+    dropout: float = 0.0
     batch_size: int = 80
     nbatches: int = 20
-    epochs: int = 20
-    base_lr: float = 0.5
+    epochs: int = 25
+    base_lr: float = 0.3
     factor: float = 1.0
-    warmup: int = 400
+    warmup: int = 50
     seed: int = 0
 
 

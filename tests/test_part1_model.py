@@ -1,0 +1,952 @@
+"""Tests for Part 1 of the book: the model architecture.
+
+The tests follow the order of the book: masks, attention, multi-head attention,
+embeddings and positional encoding, layer normalisation and residual layouts, the
+full model (weight sharing, parameter counts, dropout, determinism), compatibility
+with the 2018/2022 notebook's state dicts, errors at the boundary, and the module's
+import behaviour.
+"""
+
+import copy
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import the_annotated_transformer as tat
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+VOCAB = 11
+PAD = 0
+SMALL = {"N": 2, "d_model": 32, "d_ff": 64, "h": 4}
+HALF_DTYPES = [torch.float16, torch.bfloat16]
+ALL_DTYPES = [torch.float32, *HALF_DTYPES]
+
+
+def small_model(**overrides):
+    """A small Transformer over an 11-token vocabulary (builds in milliseconds)."""
+    return tat.make_model(VOCAB, VOCAB, **{**SMALL, **overrides})
+
+
+def padded_batch():
+    """Two source and two target sentences; the first of each ends in padding."""
+    src = torch.tensor([[3, 4, 5, 6, PAD, PAD], [7, 8, 9, 1, 2, 3]])
+    tgt = torch.tensor([[1, 5, 6, PAD], [1, 2, 3, 4]])
+    src_mask = tat.padding_mask(src, PAD)  # (batch, 1, 6)
+    tgt_mask = tat.padding_mask(tgt, PAD) & tat.subsequent_mask(tgt.size(1))
+    return src, tgt, src_mask, tgt_mask
+
+
+def random_qkv(batch=2, heads=3, q_len=4, k_len=5, d_k=8, dtype=torch.float32):
+    """Random query, key and value tensors shaped (batch, heads, seq, d_k)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, heads, q_len, d_k, generator=gen)
+    k = torch.randn(batch, heads, k_len, d_k, generator=gen)
+    v = torch.randn(batch, heads, k_len, d_k, generator=gen)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def softmax_by_hand(scores):
+    """exp(s - max) / sum exp(s - max) along the last dimension."""
+    shifted = scores - scores.max(dim=-1, keepdim=True).values
+    e = shifted.exp()
+    return e / e.sum(dim=-1, keepdim=True)
+
+
+# ---------------------------------------------------------------------------------
+# Masks
+# ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [1, 2, 5])
+def test_subsequent_mask_is_a_bool_lower_triangle_of_shape_1_size_size(size):
+    mask = tat.subsequent_mask(size)
+    assert mask.shape == (1, size, size)
+    assert mask.dtype == torch.bool
+    expected = [[j <= i for j in range(size)] for i in range(size)]
+    assert mask[0].tolist() == expected
+
+
+@pytest.mark.parametrize("bad_size", [0, -1, 2.5, True])
+def test_subsequent_mask_rejects_sizes_that_are_not_positive_integers(bad_size):
+    with pytest.raises(ValueError, match="size"):
+        tat.subsequent_mask(bad_size)
+
+
+def test_padding_mask_is_true_on_real_tokens_and_shaped_batch_1_seq():
+    tokens = torch.tensor([[5, 6, PAD], [PAD, 7, 8]])
+    mask = tat.padding_mask(tokens, PAD)
+    assert mask.shape == (2, 1, 3)
+    assert mask.dtype == torch.bool
+    assert mask[:, 0].tolist() == [[True, True, False], [False, True, True]]
+
+
+# ---------------------------------------------------------------------------------
+# Scaled dot-product attention
+# ---------------------------------------------------------------------------------
+
+
+def test_attention_equals_softmax_of_scaled_scores_times_values_computed_by_hand():
+    q, k, v = random_qkv()
+    out, weights = tat.attention(q, k, v)
+    scores = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(q.size(-1))
+    expected_weights = softmax_by_hand(scores)
+    expected_out = torch.einsum("bhij,bhjd->bhid", expected_weights, v)
+    torch.testing.assert_close(weights, expected_weights, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out, expected_out, atol=1e-6, rtol=1e-5)
+
+
+def test_masked_attention_equals_hand_computation_with_masked_scores_at_minus_inf():
+    q, k, v = random_qkv()
+    mask = torch.tensor([[True, True, False, True, False]]).view(1, 1, 1, 5)
+    out, weights = tat.attention(q, k, v, mask)
+    scores = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(q.size(-1))
+    expected_weights = softmax_by_hand(scores.masked_fill(~mask, -math.inf))
+    expected_out = torch.einsum("bhij,bhjd->bhid", expected_weights, v)
+    torch.testing.assert_close(weights, expected_weights, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out, expected_out, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["no_mask", "mask"])
+def test_attention_equals_torch_scaled_dot_product_attention(masked):
+    q, k, v = random_qkv()
+    mask = None
+    if masked:
+        gen = torch.Generator().manual_seed(1)
+        mask = torch.rand(2, 1, 4, 5, generator=gen) > 0.4
+        mask[..., 0] = True  # every query keeps at least one key
+    out, _ = tat.attention(q, k, v, mask)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_gives_exactly_zero_weight_to_future_positions_and_padded_keys():
+    q, k, v = random_qkv(q_len=5, k_len=5)
+    keys_kept = torch.tensor([[True, True, True, True, False], [True] * 5])
+    mask = (keys_kept.unsqueeze(-2) & tat.subsequent_mask(5)).unsqueeze(1)
+    _, weights = tat.attention(q, k, v, mask)  # (batch, heads, 5, 5)
+    future = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1)
+    assert (weights[..., future] == 0).all()
+    assert (weights[0, :, :, 4] == 0).all()  # the padded key of sentence 0
+    assert (weights[mask.expand_as(weights)] > 0).all()
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 3, 5))
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_attention_query_with_all_keys_masked_gets_zero_weights_and_zero_output(dtype):
+    q, k, v = random_qkv(dtype=dtype)
+    mask = torch.ones(1, 1, 4, 5, dtype=torch.bool)
+    mask[..., 2, :] = False  # query 2 may look at nothing
+    out, weights = tat.attention(q, k, v, mask)
+    assert torch.isfinite(out).all() and torch.isfinite(weights).all()
+    assert (weights[:, :, 2] == 0).all()
+    assert (out[:, :, 2] == 0).all()
+    torch.testing.assert_close(
+        weights[:, :, [0, 1, 3]].sum(-1).float(), torch.ones(2, 3, 3), atol=1e-2, rtol=0
+    )
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+def test_masked_attention_in_half_precision_is_finite_and_close_to_float32(dtype):
+    q, k, v = random_qkv()
+    q = q * 4  # large scores: a -1e9 fill would overflow float16
+    mask = torch.tensor([[True, False, True, False, False]]).view(1, 1, 1, 5)
+    out_half, w_half = tat.attention(q.to(dtype), k.to(dtype), v.to(dtype), mask)
+    out_full, w_full = tat.attention(q, k, v, mask)
+    assert out_half.dtype == dtype
+    assert torch.isfinite(out_half).all() and torch.isfinite(w_half).all()
+    assert (w_half[..., [1, 3, 4]] == 0).all()
+    torch.testing.assert_close(out_half.float(), out_full, atol=5e-2, rtol=5e-2)
+
+
+# ---------------------------------------------------------------------------------
+# Multi-head attention
+# ---------------------------------------------------------------------------------
+
+
+def torch_mha_with_our_weights(ours):
+    """A torch.nn.MultiheadAttention holding the same weights as `ours`."""
+    d_model = ours.h * ours.d_k
+    ref = nn.MultiheadAttention(d_model, ours.h, batch_first=True)
+    with torch.no_grad():
+        ref.in_proj_weight.copy_(torch.cat([lin.weight for lin in ours.linears[:3]]))
+        ref.in_proj_bias.copy_(torch.cat([lin.bias for lin in ours.linears[:3]]))
+        ref.out_proj.weight.copy_(ours.linears[3].weight)
+        ref.out_proj.bias.copy_(ours.linears[3].bias)
+    return ref.eval()
+
+
+def mha_inputs(d_model=32, q_len=4, k_len=6, dtype=torch.float32):
+    """Distinct query, key and value inputs shaped (batch=2, seq, d_model)."""
+    gen = torch.Generator().manual_seed(2)
+    query = torch.randn(2, q_len, d_model, generator=gen)
+    key = torch.randn(2, k_len, d_model, generator=gen)
+    value = torch.randn(2, k_len, d_model, generator=gen)
+    return query.to(dtype), key.to(dtype), value.to(dtype)
+
+
+@pytest.fixture
+def mha():
+    torch.manual_seed(3)
+    layer = tat.MultiHeadedAttention(4, 32, dropout=0.1).eval()
+    with torch.no_grad():  # non-zero biases, so that a swapped bias would show
+        for lin in layer.linears:
+            lin.bias.normal_()
+    return layer
+
+
+@pytest.mark.parametrize("keep_attention", [False, True], ids=["fused", "explicit"])
+def test_multi_headed_attention_equals_torch_multihead_attention(mha, keep_attention):
+    mha.keep_attention = keep_attention
+    query, key, value = mha_inputs()
+    ours = mha(query, key, value)
+    expected, _ = torch_mha_with_our_weights(mha)(query, key, value)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("keep_attention", [False, True], ids=["fused", "explicit"])
+def test_multi_headed_attention_with_key_padding_mask_equals_torch_multihead_attention(
+    mha, keep_attention
+):
+    mha.keep_attention = keep_attention
+    query, key, value = mha_inputs()
+    keys_kept = torch.tensor([[True, True, True, True, False, False], [True] * 6])
+    ours = mha(query, key, value, keys_kept.unsqueeze(-2))
+    expected, expected_weights = torch_mha_with_our_weights(mha)(
+        query, key, value, key_padding_mask=~keys_kept, average_attn_weights=False
+    )
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+    if keep_attention:
+        torch.testing.assert_close(mha.attn, expected_weights, atol=1e-5, rtol=1e-5)
+
+
+def test_multi_headed_attention_with_causal_mask_equals_torch_multihead_attention(mha):
+    x, _, _ = mha_inputs(q_len=5)
+    causal = tat.subsequent_mask(5)
+    ours = mha(x, x, x, causal)
+    expected, _ = torch_mha_with_our_weights(mha)(x, x, x, attn_mask=~causal[0])
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("with_mask", [False, True], ids=["no_mask", "mask"])
+def test_fused_and_explicit_attention_paths_agree_in_float32(mha, with_mask):
+    query, key, value = mha_inputs()
+    mask = None
+    if with_mask:
+        mask = torch.tensor([[True, False, True, True, False, True], [True] * 6])
+        mask = mask.unsqueeze(-2)
+    mha.keep_attention = False
+    fused = mha(query, key, value, mask)
+    mha.keep_attention = True
+    explicit = mha(query, key, value, mask)
+    torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=1e-5)
+
+
+def test_explicit_path_stores_weights_in_attn_and_fused_path_leaves_it_none(mha):
+    query, key, value = mha_inputs()
+    mha.keep_attention = True
+    mha(query, key, value)
+    assert mha.attn.shape == (2, 4, 4, 6)  # (batch, heads, q_len, k_len)
+    torch.testing.assert_close(mha.attn.sum(-1), torch.ones(2, 4, 4))
+    mha.keep_attention = False
+    mha(query, key, value)
+    assert mha.attn is None
+
+
+def test_model_can_be_deep_copied_after_a_forward_pass_that_kept_attention():
+    # `.attn` is for looking at, so it should not hold on to the autograd graph:
+    # a non-leaf tensor there makes copy.deepcopy(model) raise a RuntimeError.
+    model = tat.keep_attention_weights(small_model())
+    src, _, src_mask, _ = padded_batch()
+    model.encode(src, src_mask)  # with gradients enabled, as in training
+    copied = copy.deepcopy(model)
+    assert torch.equal(
+        copied.encoder.layers[0].self_attn.attn, model.encoder.layers[0].self_attn.attn
+    )
+
+
+def test_keep_attention_weights_switches_every_attention_layer_of_a_model():
+    model = tat.keep_attention_weights(small_model())
+    layers = [m for m in model.modules() if isinstance(m, tat.MultiHeadedAttention)]
+    assert len(layers) == 3 * SMALL["N"]
+    assert all(layer.keep_attention for layer in layers)
+    tat.keep_attention_weights(model, keep=False)
+    assert not any(layer.keep_attention for layer in layers)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("keep_attention", [False, True], ids=["fused", "explicit"])
+def test_query_with_all_keys_masked_gives_finite_output_in_both_paths(
+    mha, dtype, keep_attention
+):
+    mha = mha.to(dtype)
+    mha.keep_attention = keep_attention
+    query, key, value = mha_inputs(dtype=dtype)
+    mask = torch.ones(2, 4, 6, dtype=torch.bool)
+    mask[:, 1] = False  # query 1 of each sentence may look at nothing
+    out = mha(query, key, value, mask)
+    assert torch.isfinite(out).all()
+    # Its attention output is the zero vector, so W^O maps it to W^O's bias.
+    bias = mha.linears[3].bias.detach().expand(2, -1)
+    torch.testing.assert_close(out[:, 1].detach(), bias, atol=1e-6, rtol=0)
+    if keep_attention:
+        assert (mha.attn[:, :, 1] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("keep_attention", [False, True], ids=["fused", "explicit"])
+def test_masked_multi_headed_attention_in_half_precision_is_finite_and_close_to_float32(
+    mha, dtype, keep_attention
+):
+    mha.keep_attention = keep_attention
+    half = copy.deepcopy(mha).to(dtype)
+    query, key, value = mha_inputs()
+    mask = torch.tensor([[True, False, True, True, False, True], [True] * 6])
+    mask = mask.unsqueeze(-2)
+    with torch.no_grad():
+        full = mha(query, key, value, mask)
+        out = half(query.to(dtype), key.to(dtype), value.to(dtype), mask)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), full, atol=5e-2, rtol=5e-2)
+
+
+def test_model_gives_exactly_zero_weight_to_future_positions_and_padded_keys():
+    model = tat.keep_attention_weights(small_model()).eval()
+    src, tgt, src_mask, tgt_mask = padded_batch()
+    with torch.no_grad():
+        model(src, tgt, src_mask, tgt_mask)
+    future = torch.triu(torch.ones(4, 4, dtype=torch.bool), diagonal=1)
+    for layer in model.encoder.layers:
+        weights = layer.self_attn.attn  # (batch, heads, 6, 6)
+        assert (weights[0, :, :, 4:] == 0).all()
+        assert (weights[0, :, :, :4] > 0).all()
+    for layer in model.decoder.layers:
+        self_weights = layer.self_attn.attn  # (batch, heads, 4, 4)
+        assert (self_weights[..., future] == 0).all()
+        assert (self_weights[0, :, :, 3] == 0).all()
+        src_weights = layer.src_attn.attn  # (batch, heads, 4, 6)
+        assert (src_weights[0, :, :, 4:] == 0).all()
+        assert (src_weights[1] > 0).all()
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("keep_attention", [False, True], ids=["fused", "explicit"])
+def test_masked_model_runs_in_half_precision_with_finite_log_probabilities(
+    dtype, keep_attention
+):
+    torch.manual_seed(4)
+    model = tat.keep_attention_weights(small_model(), keep_attention).eval()
+    src, tgt, src_mask, tgt_mask = padded_batch()
+    with torch.no_grad():
+        full = model.generator(model(src, tgt, src_mask, tgt_mask))
+        half_model = copy.deepcopy(model).to(dtype)
+        half = half_model.generator(half_model(src, tgt, src_mask, tgt_mask))
+    assert half.dtype == dtype and torch.isfinite(half).all()
+    torch.testing.assert_close(half.float(), full, atol=0.15, rtol=0.05)
+
+
+# ---------------------------------------------------------------------------------
+# Embeddings and positional encoding
+# ---------------------------------------------------------------------------------
+
+
+def test_embeddings_look_up_the_table_and_scale_by_sqrt_d_model():
+    emb = tat.Embeddings(16, VOCAB)
+    ids = torch.tensor([[1, 5, 10]])
+    expected = emb.lut.weight[ids] * 4.0  # sqrt(16)
+    torch.testing.assert_close(emb(ids), expected)
+    assert len(emb) == VOCAB
+
+
+def paper_positional_encoding(max_len, d_model, base=10000.0):
+    """PE[pos, 2i] = sin(pos / base^(2i/d)), PE[pos, 2i+1] = cos(...), in float64."""
+    table = np.zeros((max_len, d_model))
+    for pos in range(max_len):
+        for i in range(d_model // 2):
+            angle = pos / base ** (2 * i / d_model)
+            table[pos, 2 * i] = math.sin(angle)
+            table[pos, 2 * i + 1] = math.cos(angle)
+    return table
+
+
+@pytest.mark.parametrize(("d_model", "max_len"), [(16, 100), (512, 200)])
+def test_positional_encoding_matches_the_papers_sine_cosine_formula(d_model, max_len):
+    pe = tat.PositionalEncoding(d_model, 0.0, max_len=max_len).pe
+    assert pe.shape == (1, max_len, d_model)
+    expected = torch.from_numpy(paper_positional_encoding(max_len, d_model))
+    torch.testing.assert_close(pe[0].double(), expected, atol=5e-5, rtol=0)
+
+
+def test_positional_encoding_adds_the_code_of_the_first_positions_to_the_input():
+    layer = tat.PositionalEncoding(8, dropout=0.0, max_len=50)
+    x = torch.randn(3, 7, 8)
+    torch.testing.assert_close(layer(x), x + layer.pe[:, :7])
+
+
+@pytest.mark.parametrize("k", [1, 7, 100])
+def test_shifted_positional_encoding_is_a_fixed_linear_map_of_the_original(k):
+    # d_model=8 keeps the slowest wavelength (about 6,300 positions) within reach of
+    # the fitted range, so the least-squares map is well determined.
+    d_model = 8
+    pe = tat.PositionalEncoding(d_model, 0.0, max_len=4000).pe[0].double()
+    fit = torch.arange(0, 2000)
+    unseen = torch.arange(2500, 3500)
+    shift = torch.linalg.lstsq(pe[fit], pe[fit + k]).solution  # (d_model, d_model)
+    error = (pe[unseen] @ shift - pe[unseen + k]).abs().max()
+    assert error < 1e-4
+    # The map is a rotation by k * omega_i in each (sin, cos) pair, for every pos.
+    rotation = torch.zeros(d_model, d_model, dtype=torch.float64)
+    for i in range(d_model // 2):
+        angle = k / 10000.0 ** (2 * i / d_model)
+        c, s = math.cos(angle), math.sin(angle)
+        rotation[2 * i : 2 * i + 2, 2 * i : 2 * i + 2] = torch.tensor(
+            [[c, -s], [s, c]], dtype=torch.float64
+        )
+    torch.testing.assert_close(shift, rotation, atol=1e-3, rtol=0)
+
+
+def test_relative_position_example_in_the_book_reports_a_small_error(capsys):
+    # The book's cell fits PE(pos) -> PE(pos + 7) on positions 0..99 with
+    # d_model=64 and tests it on 150..249. The slow pairs barely move over 100
+    # positions, so the fit is ill-conditioned and the printed error is large.
+    tat.example_relative_position_is_linear()
+    printed = capsys.readouterr().out
+    error = float(printed.rsplit(":", 1)[1])
+    assert error < 1e-3, printed
+
+
+def test_positional_encoding_rejects_odd_d_model():
+    with pytest.raises(ValueError, match="d_model"):
+        tat.PositionalEncoding(7, 0.0)
+
+
+def test_positional_encoding_rejects_inputs_longer_than_max_len():
+    layer = tat.PositionalEncoding(8, 0.0, max_len=5)
+    layer(torch.zeros(1, 5, 8))  # exactly max_len is fine
+    with pytest.raises(ValueError, match="max_len"):
+        layer(torch.zeros(1, 6, 8))
+
+
+# ---------------------------------------------------------------------------------
+# Layer normalisation and the residual layouts
+# ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def layer_norm_and_input():
+    torch.manual_seed(5)
+    ours = tat.LayerNorm(16)
+    with torch.no_grad():
+        ours.a_2.uniform_(0.5, 1.5)
+        ours.b_2.normal_()
+    x = torch.randn(3, 5, 16) * 3 + 2
+    return ours, x
+
+
+def test_layer_norm_has_parameters_a_2_and_b_2_and_eps_1e_6():
+    norm = tat.LayerNorm(4)
+    assert [name for name, _ in norm.named_parameters()] == ["a_2", "b_2"]
+    assert norm.eps == 1e-6
+
+
+def test_layer_norm_equals_torch_layer_norm_with_the_same_parameters(
+    layer_norm_and_input,
+):
+    ours, x = layer_norm_and_input
+    ref = nn.LayerNorm(16, eps=ours.eps)
+    with torch.no_grad():
+        ref.weight.copy_(ours.a_2)
+        ref.bias.copy_(ours.b_2)
+    torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=1e-5)
+
+
+def test_layer_norm_equals_layer_norm_explicit(layer_norm_and_input):
+    ours, x = layer_norm_and_input
+    expected = tat.layer_norm_explicit(x, ours.a_2, ours.b_2, ours.eps)
+    torch.testing.assert_close(ours(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_layer_norm_explicit_uses_the_biased_variance_inside_the_square_root():
+    x = torch.tensor([[1.0, 2.0, 3.0, 6.0]], dtype=torch.float64)
+    mean = 3.0
+    var = ((1 - 3) ** 2 + (2 - 3) ** 2 + 0 + (6 - 3) ** 2) / 4  # divide by d, not d - 1
+    expected = (x - mean) / math.sqrt(var + 0.25)
+    one, zero = torch.ones(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)
+    torch.testing.assert_close(tat.layer_norm_explicit(x, one, zero, 0.25), expected)
+
+
+def sublayer_case(norm_first):
+    """A SublayerConnection with random norm parameters, a linear sub-layer, input."""
+    torch.manual_seed(6)
+    layer = tat.SublayerConnection(8, dropout=0.5, norm_first=norm_first).train()
+    with torch.no_grad():
+        layer.norm.a_2.uniform_(0.5, 1.5)
+        layer.norm.b_2.normal_()
+    return layer, nn.Linear(8, 8), torch.randn(4, 3, 8)
+
+
+def test_pre_norm_sublayer_computes_x_plus_dropout_of_f_of_norm_x():
+    layer, f, x = sublayer_case(norm_first=True)
+    torch.manual_seed(7)
+    out = layer(x, f)
+    torch.manual_seed(7)  # the same dropout mask for the explicit formula
+    normed = tat.layer_norm_explicit(x, layer.norm.a_2, layer.norm.b_2, layer.norm.eps)
+    expected = x + F.dropout(f(normed), p=0.5, training=True)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_post_norm_sublayer_computes_norm_of_x_plus_dropout_of_f_of_x():
+    layer, f, x = sublayer_case(norm_first=False)
+    torch.manual_seed(7)
+    out = layer(x, f)
+    torch.manual_seed(7)
+    residual = x + F.dropout(f(x), p=0.5, training=True)
+    n = layer.norm
+    expected = tat.layer_norm_explicit(residual, n.a_2, n.b_2, n.eps)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_post_norm_model_has_no_final_norm_and_pre_norm_model_has_one():
+    post = small_model(norm_first=False)
+    pre = small_model(norm_first=True)
+    assert isinstance(post.encoder.norm, nn.Identity)
+    assert isinstance(post.decoder.norm, nn.Identity)
+    post_names = [name for name, _ in post.named_parameters()]
+    assert not any(
+        name.startswith(("encoder.norm", "decoder.norm")) for name in post_names
+    )
+    pre_names = dict(pre.named_parameters())
+    assert "encoder.norm.a_2" in pre_names and "decoder.norm.b_2" in pre_names
+    for model, norm_first in ((post, False), (pre, True)):
+        sublayers = [
+            m for m in model.modules() if isinstance(m, tat.SublayerConnection)
+        ]
+        assert len(sublayers) == 5 * SMALL["N"]
+        assert all(s.norm_first is norm_first for s in sublayers)
+
+
+# ---------------------------------------------------------------------------------
+# The full model: sharing, parameter counts, dropout, determinism
+# ---------------------------------------------------------------------------------
+
+
+def test_share_embeddings_makes_source_and_target_use_one_parameter():
+    model = small_model(share_embeddings=True)
+    assert model.src_embed[0].lut.weight is model.tgt_embed[0].lut.weight
+    assert model.generator.proj.weight is not model.tgt_embed[0].lut.weight
+
+
+def test_tie_generator_makes_the_projection_reuse_the_target_embedding():
+    model = small_model(tie_generator=True)
+    assert model.generator.proj.weight is model.tgt_embed[0].lut.weight
+    assert model.src_embed[0].lut.weight is not model.tgt_embed[0].lut.weight
+
+
+def test_without_sharing_every_matrix_is_its_own_parameter():
+    model = small_model()
+    weights = [
+        model.src_embed[0].lut.weight,
+        model.tgt_embed[0].lut.weight,
+        model.generator.proj.weight,
+    ]
+    assert len({id(w) for w in weights}) == 3
+
+
+def test_share_embeddings_with_different_vocabulary_sizes_raises_value_error():
+    with pytest.raises(ValueError, match="src_vocab=11 and tgt_vocab=12"):
+        tat.make_model(11, 12, **SMALL, share_embeddings=True)
+
+
+def parameter_count_by_hand(
+    src_vocab, tgt_vocab, N, d, d_ff, *, shared=False, tied=False, final_norm=True
+):
+    """Count a Transformer's parameters from its sizes, one block at a time."""
+    attention = 4 * (d * d + d)  # W^Q, W^K, W^V, W^O with biases
+    feed_forward = (d * d_ff + d_ff) + (d_ff * d + d)
+    norm = 2 * d  # a_2 and b_2
+    encoder_layer = attention + feed_forward + 2 * norm
+    decoder_layer = 2 * attention + feed_forward + 3 * norm
+    embeddings = src_vocab * d + (0 if shared else tgt_vocab * d)
+    generator = tgt_vocab + (0 if tied else d * tgt_vocab)
+    final_norms = 2 * norm if final_norm else 0
+    return embeddings + N * (encoder_layer + decoder_layer) + final_norms + generator
+
+
+@pytest.fixture(scope="module")
+def base_model_shared():
+    torch.manual_seed(8)
+    return tat.make_model(37000, 37000, share_embeddings=True, tie_generator=True)
+
+
+@pytest.fixture(scope="module")
+def base_model_unshared():
+    torch.manual_seed(9)
+    return tat.make_model(37000, 37000)
+
+
+def test_base_model_with_shared_weights_has_about_65_million_parameters(
+    base_model_shared,
+):
+    count = tat.count_parameters(base_model_shared)
+    assert abs(count - 65e6) <= 0.05 * 65e6
+    expected = parameter_count_by_hand(
+        37000, 37000, 6, 512, 2048, shared=True, tied=True
+    )
+    assert count == expected
+
+
+def test_base_model_without_sharing_has_the_parameter_count_computed_by_hand(
+    base_model_unshared,
+):
+    count = tat.count_parameters(base_model_unshared)
+    assert count == parameter_count_by_hand(37000, 37000, 6, 512, 2048)
+
+
+def test_post_norm_model_parameter_count_leaves_out_the_final_norms():
+    model = small_model(norm_first=False)
+    expected = parameter_count_by_hand(VOCAB, VOCAB, 2, 32, 64, final_norm=False)
+    assert tat.count_parameters(model) == expected
+
+
+@pytest.mark.parametrize("p", [0.0, 0.37])
+def test_make_model_dropout_reaches_every_dropout_layer_including_attention(p):
+    model = small_model(dropout=p)
+    dropouts = [m for m in model.modules() if isinstance(m, nn.Dropout)]
+    # 2 positional encodings; per encoder layer 1 attention + 1 FFN + 2 residual;
+    # per decoder layer 2 attention + 1 FFN + 3 residual.
+    assert len(dropouts) == 2 + SMALL["N"] * (4 + 6)
+    assert all(d.p == p for d in dropouts)
+    attention_layers = [
+        m for m in model.modules() if isinstance(m, tat.MultiHeadedAttention)
+    ]
+    assert len(attention_layers) == 3 * SMALL["N"]
+    assert all(layer.dropout.p == p for layer in attention_layers)
+
+
+def forward_twice(model):
+    src, tgt, src_mask, tgt_mask = padded_batch()
+    with torch.no_grad():
+        return [model(src, tgt, src_mask, tgt_mask) for _ in range(2)]
+
+
+@pytest.mark.parametrize("keep_attention", [False, True], ids=["fused", "explicit"])
+def test_eval_mode_is_deterministic_even_with_dropout(keep_attention):
+    model = tat.keep_attention_weights(small_model(dropout=0.5), keep_attention)
+    first, second = forward_twice(model.eval())
+    assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("keep_attention", [False, True], ids=["fused", "explicit"])
+def test_train_mode_with_dropout_gives_different_forward_passes(keep_attention):
+    model = tat.keep_attention_weights(small_model(dropout=0.5), keep_attention)
+    first, second = forward_twice(model.train())
+    assert not torch.allclose(first, second)
+
+
+def test_train_mode_without_dropout_is_deterministic():
+    first, second = forward_twice(small_model(dropout=0.0).train())
+    assert torch.equal(first, second)
+
+
+def test_generator_returns_log_probabilities_over_the_target_vocabulary():
+    model = small_model().eval()
+    src, tgt, src_mask, tgt_mask = padded_batch()
+    with torch.no_grad():
+        log_probs = model.generator(model(src, tgt, src_mask, tgt_mask))
+    assert log_probs.shape == (2, 4, VOCAB)
+    torch.testing.assert_close(log_probs.exp().sum(-1), torch.ones(2, 4))
+
+
+# ---------------------------------------------------------------------------------
+# State-dict compatibility with the 2018/2022 notebook
+# ---------------------------------------------------------------------------------
+# A compact re-implementation of the original notebook's module tree: only the
+# attribute names and parameter shapes matter here, so there are no forward methods.
+
+
+class OrigLayerNorm(nn.Module):
+    def __init__(self, features, eps=1e-6):
+        super().__init__()
+        self.a_2 = nn.Parameter(torch.ones(features))
+        self.b_2 = nn.Parameter(torch.zeros(features))
+        self.eps = eps
+
+
+class OrigSublayerConnection(nn.Module):
+    def __init__(self, size, dropout):
+        super().__init__()
+        self.norm = OrigLayerNorm(size)
+        self.dropout = nn.Dropout(dropout)
+
+
+class OrigMultiHeadedAttention(nn.Module):
+    def __init__(self, h, d_model, dropout=0.1):
+        super().__init__()
+        self.d_k, self.h = d_model // h, h
+        self.linears = nn.ModuleList(nn.Linear(d_model, d_model) for _ in range(4))
+        self.attn = None
+        self.dropout = nn.Dropout(dropout)
+
+
+class OrigPositionwiseFeedForward(nn.Module):
+    def __init__(self, d_model, d_ff, dropout=0.1):
+        super().__init__()
+        self.w_1 = nn.Linear(d_model, d_ff)
+        self.w_2 = nn.Linear(d_ff, d_model)
+        self.dropout = nn.Dropout(dropout)
+
+
+class OrigEncoderLayer(nn.Module):
+    def __init__(self, size, h, d_ff, dropout):
+        super().__init__()
+        self.self_attn = OrigMultiHeadedAttention(h, size)
+        self.feed_forward = OrigPositionwiseFeedForward(size, d_ff, dropout)
+        self.sublayer = nn.ModuleList(
+            OrigSublayerConnection(size, dropout) for _ in "ab"
+        )
+        self.size = size
+
+
+class OrigDecoderLayer(nn.Module):
+    def __init__(self, size, h, d_ff, dropout):
+        super().__init__()
+        self.size = size
+        self.self_attn = OrigMultiHeadedAttention(h, size)
+        self.src_attn = OrigMultiHeadedAttention(h, size)
+        self.feed_forward = OrigPositionwiseFeedForward(size, d_ff, dropout)
+        self.sublayer = nn.ModuleList(
+            OrigSublayerConnection(size, dropout) for _ in "abc"
+        )
+
+
+class OrigStack(nn.Module):
+    """The original Encoder and Decoder have the same attributes: layers and norm."""
+
+    def __init__(self, make_layer, N, size):
+        super().__init__()
+        self.layers = nn.ModuleList(make_layer() for _ in range(N))
+        self.norm = OrigLayerNorm(size)
+
+
+class OrigEmbeddings(nn.Module):
+    def __init__(self, d_model, vocab):
+        super().__init__()
+        self.lut = nn.Embedding(vocab, d_model)
+        self.d_model = d_model
+
+
+class OrigPositionalEncoding(nn.Module):
+    def __init__(self, d_model, dropout, max_len=5000):
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+        pe = torch.from_numpy(paper_positional_encoding(max_len, d_model)).float()
+        self.register_buffer("pe", pe.unsqueeze(0))  # (1, max_len, d_model)
+
+
+class OrigGenerator(nn.Module):
+    def __init__(self, d_model, vocab):
+        super().__init__()
+        self.proj = nn.Linear(d_model, vocab)
+
+
+class OrigEncoderDecoder(nn.Module):
+    def __init__(self, src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout, max_len):
+        super().__init__()
+        self.encoder = OrigStack(
+            lambda: OrigEncoderLayer(d_model, h, d_ff, dropout), N, d_model
+        )
+        self.decoder = OrigStack(
+            lambda: OrigDecoderLayer(d_model, h, d_ff, dropout), N, d_model
+        )
+        position = OrigPositionalEncoding(d_model, dropout, max_len)
+        self.src_embed = nn.Sequential(
+            OrigEmbeddings(d_model, src_vocab), copy.deepcopy(position)
+        )
+        self.tgt_embed = nn.Sequential(
+            OrigEmbeddings(d_model, tgt_vocab), copy.deepcopy(position)
+        )
+        self.generator = OrigGenerator(d_model, tgt_vocab)
+
+
+@pytest.fixture(scope="module")
+def original_state_dict():
+    """A state dict from the original notebook's layout, with random values."""
+    torch.manual_seed(10)
+    original = OrigEncoderDecoder(VOCAB, VOCAB, dropout=0.1, max_len=5000, **SMALL)
+    with torch.no_grad():
+        for p in original.parameters():
+            p.normal_()
+    return original.state_dict()
+
+
+NOTEBOOK_KEYS = [
+    "encoder.layers.0.self_attn.linears.0.weight",
+    "encoder.layers.0.feed_forward.w_1.weight",
+    "encoder.layers.0.sublayer.0.norm.a_2",
+    "encoder.norm.b_2",
+    "decoder.layers.0.src_attn.linears.3.bias",
+    "src_embed.0.lut.weight",
+    "src_embed.1.pe",
+    "tgt_embed.0.lut.weight",
+    "generator.proj.weight",
+    "generator.proj.bias",
+]
+
+
+def test_state_dict_keeps_the_notebooks_parameter_names():
+    keys = small_model().state_dict().keys()
+    missing = [name for name in NOTEBOOK_KEYS if name not in keys]
+    assert missing == []
+
+
+def test_state_dict_keys_and_shapes_equal_the_original_notebooks(original_state_dict):
+    ours = small_model().state_dict()
+    assert set(ours) == set(original_state_dict)
+    assert {k: v.shape for k, v in ours.items()} == {
+        k: v.shape for k, v in original_state_dict.items()
+    }
+
+
+@pytest.mark.parametrize("with_pe", [True, False], ids=["with_pe", "without_pe"])
+def test_original_notebook_state_dict_loads_strictly_into_our_model(
+    original_state_dict, with_pe
+):
+    state = dict(original_state_dict)
+    if not with_pe:
+        state = {k: v for k, v in state.items() if not k.endswith(".pe")}
+    torch.manual_seed(11)
+    model = small_model()
+    fresh_pe = model.src_embed[1].pe.clone()
+    model.load_state_dict(state, strict=True)
+    for name, param in model.named_parameters():
+        assert torch.equal(param, original_state_dict[name]), name
+    for name in ("src_embed.1.pe", "tgt_embed.1.pe"):
+        loaded = model.state_dict()[name]
+        # float32 rounding of pos * omega grows with pos: about 3e-4 at pos 5000.
+        torch.testing.assert_close(loaded, fresh_pe, atol=1e-3, rtol=0)
+    assert len(state) == len(original_state_dict) - (0 if with_pe else 2)
+
+
+# ---------------------------------------------------------------------------------
+# Clear errors at the boundary
+# ---------------------------------------------------------------------------------
+
+TINY = {
+    "src_vocab": VOCAB,
+    "tgt_vocab": VOCAB,
+    "N": 1,
+    "d_model": 16,
+    "d_ff": 32,
+    "h": 2,
+}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        ({"d_model": 30, "h": 4}, ["h=4", "d_model=30"]),
+        ({"d_model": 9, "h": 3}, ["d_model=9", "odd"]),
+        ({"N": 0}, ["N"]),
+        ({"d_ff": -1}, ["d_ff"]),
+        ({"src_vocab": 0}, ["src_vocab"]),
+        ({"h": 0}, ["h"]),
+        ({"dropout": -0.1}, ["dropout"]),
+        ({"dropout": 1.0}, ["dropout"]),
+    ],
+    ids=[
+        "h_not_dividing_d_model",
+        "odd_d_model",
+        "N_zero",
+        "d_ff_negative",
+        "src_vocab_zero",
+        "h_zero",
+        "dropout_negative",
+        "dropout_one",
+    ],
+)
+def test_make_model_rejects_bad_sizes_with_a_message_naming_the_argument(
+    overrides, words
+):
+    with pytest.raises(ValueError) as excinfo:
+        tat.make_model(**{**TINY, **overrides})
+    message = str(excinfo.value)
+    for word in words:
+        assert word in message
+
+
+def test_float_token_ids_raise_type_error_mentioning_integer_ids():
+    model = small_model()
+    src, _, src_mask, _ = padded_batch()
+    with pytest.raises(TypeError, match="integer token ids"):
+        model.encode(src.float(), src_mask)
+
+
+@pytest.mark.parametrize("bad_id", [VOCAB, VOCAB + 5, -1])
+def test_token_ids_outside_the_vocabulary_raise_index_error_naming_its_size(bad_id):
+    model = small_model()
+    src, tgt, src_mask, tgt_mask = padded_batch()
+    src[1, 2] = bad_id
+    with pytest.raises(IndexError, match=f"vocabulary has {VOCAB} entries"):
+        model.encode(src, src_mask)
+
+
+def test_model_input_longer_than_max_len_raises_value_error():
+    model = small_model(max_len=5)
+    src, _, src_mask, _ = padded_batch()  # 6 source positions
+    with pytest.raises(ValueError, match="max_len=5"):
+        model.encode(src, src_mask)
+
+
+# ---------------------------------------------------------------------------------
+# Importing the module and the untrained-model example
+# ---------------------------------------------------------------------------------
+
+
+def run_python(code):
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_importing_the_module_prints_nothing():
+    result = run_python("import the_annotated_transformer")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ""
+    assert result.stderr == ""
+
+
+def test_importing_the_module_does_not_import_plotting_or_language_tools():
+    code = (
+        "import json, sys\n"
+        "import the_annotated_transformer\n"
+        "heavy = ['altair', 'pandas', 'spacy', 'sacrebleu']\n"
+        "print(json.dumps(sorted(m for m in heavy if m in sys.modules)))\n"
+    )
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == []
+
+
+def test_inference_test_returns_ten_token_ids_starting_with_the_start_symbol():
+    ys = tat.inference_test(0)
+    assert isinstance(ys, torch.Tensor)
+    assert ys.dtype == torch.long
+    assert ys.shape == (1, 10)
+    assert ys[0, 0].item() == 0
+    assert ((ys >= 0) & (ys < VOCAB)).all()
+
+
+def test_inference_test_with_the_same_seed_gives_the_same_tokens():
+    assert torch.equal(tat.inference_test(3), tat.inference_test(3))
