@@ -6,6 +6,7 @@
 #   make sync       jupytext --sync: bring the .py and the notebook level, either way
 #   make script     notebooks/the_annotated_transformer.ipynb -> the_annotated_transformer.py
 #   make figures    write the book's figures to images/
+#   make bench      print performance figures (a benchmark, never a test)
 #   make lint       ruff check and ruff format --check
 #   make format     ruff format, then ruff check --fix
 #   make clean      remove caches and executed-notebook leftovers (keeps the venv)
@@ -24,7 +25,7 @@ BOOK := the_annotated_transformer.py
 NOTEBOOK := notebooks/the_annotated_transformer.ipynb
 
 .DEFAULT_GOAL := run
-.PHONY: setup run test notebook sync script figures lint format clean
+.PHONY: setup run test notebook sync script figures bench lint format clean
 
 # The tests that need Multi30k find it through this variable; the library itself never
 # assumes a data path. Set only when the folder is there.
@@ -63,6 +64,9 @@ script: $(STAMP)
 
 figures: $(STAMP)
 	$(VENV_PYTHON) $(BOOK) figures --out images/
+
+bench: $(STAMP)
+	$(VENV_PYTHON) benchmarks/bench.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -2235,7 +2235,7 @@ def prepare_data(
 # | Profile | Model | Meant for |
 # |---|---|---|
 # | `smoke` | 1 layer, $d_{\text{model}} = 32$, a slice of the data | tests: seconds |
-# | `quick` | 3 layers, $d_{\text{model}} = 256$, $h = 8$ | a laptop CPU: a few minutes |
+# | `quick` | 3 layers, $d_{\text{model}} = 128$, $h = 4$ | a laptop CPU: a few minutes |
 # | `base` | the paper's base model: 6 layers, $d_{\text{model}} = 512$, $h = 8$ | a GPU |
 #
 # `max_tokens` is the token budget of one batch *per process*; with `accum_iter > 1`
@@ -2250,16 +2250,16 @@ class TrainConfig:
 
     profile: str = "quick"
     N: int = 3
-    d_model: int = 256
-    d_ff: int = 1024
-    h: int = 8
+    d_model: int = 128
+    d_ff: int = 512
+    h: int = 4
     dropout: float = 0.1
-    max_tokens: int = 3000
+    max_tokens: int = 2000
     accum_iter: int = 1
     epochs: int = 3
     base_lr: float = 1.0
     factor: float = 1.0
-    warmup: int = 400
+    warmup: int = 300
     label_smoothing: float = 0.1
     max_len: int = 72
     min_freq: int = 2
@@ -2514,7 +2514,11 @@ def _train(
 ):
     checkpoint = load_checkpoint(out_dir / "last.pt") if resume else None
     if checkpoint is not None:
-        config = TrainConfig.from_dict(checkpoint["config"])
+        # The run's own settings win, except the number of epochs, which a resumed
+        # run may extend.
+        config = TrainConfig.from_dict(
+            {**checkpoint["config"], "epochs": config.epochs}
+        )
         vocabs = Vocab(checkpoint["vocab_src"]), Vocab(checkpoint["vocab_tgt"])
     else:
         vocabs = None if data is None else (data.vocab_src, data.vocab_tgt)
@@ -2977,6 +2981,8 @@ def build_parser():
 def main(argv=None):
     """Entry point of `python the_annotated_transformer.py ...`."""
     args = build_parser().parse_args(argv)
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)  # progress shows up in log files
     try:
         if args.command in (None, "copy"):
             config = CopyTaskConfig()
