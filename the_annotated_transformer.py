@@ -2206,12 +2206,11 @@ def prepare_data(
     """Read, tokenize and encode Multi30k splits from `data_dir`."""
     spacy_de, spacy_en = load_tokenizers()
     raw = {split: read_split(data_dir, split) for split in splits}
+    if vocabs is None:
+        train = raw["train"] if "train" in raw else read_split(data_dir, "train")
+        vocabs = build_vocabulary(train[:max_train_pairs], spacy_de, spacy_en, min_freq)
     if max_train_pairs is not None and "train" in raw:
         raw["train"] = raw["train"][:max_train_pairs]
-    if vocabs is None:
-        if "train" not in raw:
-            raw["train"] = read_split(data_dir, "train")
-        vocabs = build_vocabulary(raw["train"], spacy_de, spacy_en, min_freq)
     vocab_src, vocab_tgt = vocabs
     encoded = {
         split: [
@@ -2719,13 +2718,19 @@ def train_model(config, data_dir, out_dir, *, resume=False, nprocs=1, quiet=Fals
     if nprocs > 1:
         import torch.multiprocessing as mp
 
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        mp.spawn(
-            _spawned_worker,
-            nprocs=nprocs,
-            args=(nprocs, config, data_dir, out_dir, resume, quiet),
-        )
+        rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        saved = {key: os.environ.get(key) for key in rendezvous}
+        os.environ.update({k: v for k, v in rendezvous.items() if saved[k] is None})
+        try:
+            mp.spawn(
+                _spawned_worker,
+                nprocs=nprocs,
+                args=(nprocs, config, data_dir, out_dir, resume, quiet),
+            )
+        finally:  # leave the caller's environment as it was
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
         return load_checkpoint(out_dir / "last.pt")["history"]
     return train_worker(0, 1, config, data_dir, out_dir, resume=resume, quiet=quiet)
 
