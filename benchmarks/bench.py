@@ -62,6 +62,28 @@ def bench_copy_task():
     return time.perf_counter() - start, bool((src == out).all())
 
 
+def bench_cached_decoding(batch, steps=40, vocab=8000, repeats=1):
+    """Greedy decoding of `steps` tokens at base sizes, without and with the cache."""
+    import torch
+
+    import the_annotated_transformer as tat
+
+    torch.manual_seed(0)
+    model = tat.make_model(vocab, vocab).eval()  # N=6, d_model=512, h=8, d_ff=2048
+    src = torch.randint(4, vocab, (batch, 20))
+    src_mask = torch.ones(batch, 1, 20, dtype=torch.bool)
+    with torch.no_grad():
+        memory = model.encode(src, src_mask)
+    tat.time_decoding(model, memory, src_mask, 2, use_cache=True)  # warm-up
+    times = {}
+    for use_cache in (False, True):
+        times[use_cache] = statistics.median(
+            tat.time_decoding(model, memory, src_mask, steps, use_cache)
+            for _ in range(repeats)
+        )
+    return times[False], times[True]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="benchmarks/results.json")
@@ -69,6 +91,10 @@ def main(argv=None):
     rows = {"machine": machine()}
     rows["import_s"] = bench_import()
     rows["copy_task_s"], rows["copy_task_exact"] = bench_copy_task()
+    for batch in (1, 64):
+        plain, cached = bench_cached_decoding(batch, repeats=3 if batch == 1 else 1)
+        rows[f"greedy40_batch{batch}_no_cache_s"] = plain
+        rows[f"greedy40_batch{batch}_cache_s"] = cached
     print(f"machine: {rows['machine']}")
     print(f"{'figure':44s} value")
     print(f"{'import the_annotated_transformer (median)':44s} {rows['import_s']:.2f} s")
@@ -76,6 +102,14 @@ def main(argv=None):
         f"{'copy task: train + decode 200 sequences':44s} {rows['copy_task_s']:.1f} s"
         f" (exact copy: {'yes' if rows['copy_task_exact'] else 'no'})"
     )
+    for batch in (1, 64):
+        plain = rows[f"greedy40_batch{batch}_no_cache_s"]
+        cached = rows[f"greedy40_batch{batch}_cache_s"]
+        print(
+            f"{f'greedy, 40 tokens, base sizes, batch {batch}':44s} "
+            f"{plain:.2f} s without cache, {cached:.2f} s with "
+            f"({plain / cached:.1f}x)"
+        )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     print(f"wrote {args.json}")
