@@ -635,7 +635,14 @@ def test_greedy_decode_stops_each_row_at_its_end_symbol_and_pads_after_it():
     )
     src = torch.ones(2, 4, dtype=torch.long)
     out = tat.greedy_decode(
-        model, src, src.unsqueeze(1) > 0, 10, 1, end_symbol=end, pad_symbol=pad
+        model,
+        src,
+        src.unsqueeze(1) > 0,
+        10,
+        1,
+        end_symbol=end,
+        pad_symbol=pad,
+        use_cache=False,  # the stand-in has no decoder layers to cache
     )
     assert out.tolist() == [[1, 5, end, pad, pad], [1, 4, 6, 8, end]]
     assert model.decode_calls == 4  # stopped as soon as every row had ended
@@ -645,7 +652,9 @@ def test_greedy_decode_pads_with_the_end_symbol_by_default():
     end = 3
     model = ScriptedModel([[end, 7, 7], [4, end, 9]])
     src = torch.ones(2, 4, dtype=torch.long)
-    out = tat.greedy_decode(model, src, src.unsqueeze(1) > 0, 5, 1, end_symbol=end)
+    out = tat.greedy_decode(
+        model, src, src.unsqueeze(1) > 0, 5, 1, end_symbol=end, use_cache=False
+    )
     assert out.tolist() == [[1, end, end], [1, 4, end]]
 
 
