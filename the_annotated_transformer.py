@@ -1618,9 +1618,10 @@ class SimpleLossCompute:
 #
 # `decode_step` does step 3 for a batch of prefixes: it runs the decoder with the
 # look-ahead mask and returns the generator's log-probabilities at the last position.
-# (Its `cache` argument belongs to Part 5: with a key/value cache, only the positions
-# not yet cached go through the decoder. `greedy_decode` uses one by default;
-# `use_cache=False` recomputes the whole prefix at every step, as described here.)
+# (Its `cache` argument belongs to Part 5: with a key/value cache, made by
+# `init_cache` below, only the positions not yet cached go through the decoder.
+# `greedy_decode` uses one by default; `use_cache=False` recomputes the whole prefix
+# at every step, as described here. Part 5 explains the cache and measures it.)
 #
 # `greedy_decode` works on a whole batch at once. Once a sentence has produced its end
 # symbol, the remaining positions are filled with `pad_symbol` (by default the end
@@ -1629,6 +1630,26 @@ class SimpleLossCompute:
 
 
 # %%
+def init_cache(model):
+    """An empty key/value cache for `model`'s decoder: (self, source) per layer."""
+    return [({}, {"static": True}) for _ in model.decoder.layers]
+
+
+def cache_length(cache):
+    """How many target positions the cache holds already."""
+    self_cache = cache[0][0]
+    return self_cache["k"].size(2) if "k" in self_cache else 0
+
+
+def reorder_cache(cache, rows):
+    """Keep (and repeat) the cached rows `rows`, e.g. when beams are re-ranked."""
+    for self_cache, src_cache in cache:
+        for part in (self_cache, src_cache):
+            for name in ("k", "v"):
+                if name in part:
+                    part[name] = part[name].index_select(0, rows)
+
+
 def decode_step(model, memory, src_mask, ys, cache=None):
     """Log-probabilities of the next token after the prefixes `ys`: (batch, vocab)."""
     start = 0 if cache is None else cache_length(cache)  # positions already cached
@@ -3028,19 +3049,29 @@ def run_model_example(
     return check_outputs(translator, read_split(data_dir, "val"), n_examples)
 
 
-def example_multi30k():
-    """The notebook's Part 3 example; explains what is missing if there is no data."""
+def notebook_run():
+    """(translator, data_dir, out_dir) of the notebook's model, trained if needed;
+    None, with a message saying what is missing, when there is no data."""
     data_dir = data_dir_from_env()
     if data_dir is None or not (Path(data_dir) / "train.de.gz").exists():
         print(
-            f"Part 3 needs the Multi30k files. Set ${DATA_ENV} to a folder that holds "
-            "them, or download them with `python the_annotated_transformer.py download "
-            "--data-dir DIR`. Skipping the Multi30k example."
+            f"This example needs the Multi30k files. Set ${DATA_ENV} to a folder that "
+            "holds them, or download them with `python the_annotated_transformer.py "
+            "download --data-dir DIR`. Skipping it."
         )
         return None
     profile = {"full": "base"}.get(PROFILE, PROFILE)
     out_dir = Path(os.environ.get("ANNOTATED_TRANSFORMER_RUNS", "runs")) / profile
-    return run_model_example(out_dir, data_dir, profile=profile)
+    return load_trained_model(out_dir, data_dir, profile=profile), data_dir, out_dir
+
+
+def example_multi30k():
+    """The notebook's Part 3 example: translations of a few validation sentences."""
+    found = notebook_run()
+    if found is None:
+        return None
+    translator, data_dir, _ = found
+    return check_outputs(translator, read_split(data_dir, "val"))
 
 
 show_example(example_multi30k)
@@ -3317,30 +3348,10 @@ show_example(example_shared_embeddings)
 # check that cached and uncached decoding choose the same tokens with the same
 # log-probabilities.
 #
-# A cache is one pair of dictionaries per decoder layer; `MultiHeadedAttention` fills
-# them (see its `cache` argument in Part 1), and `decode_step` (Part 2) feeds only the
-# positions the cache does not hold yet.
-
-
-# %%
-def init_cache(model):
-    """An empty key/value cache for `model`'s decoder: (self, source) per layer."""
-    return [({}, {"static": True}) for _ in model.decoder.layers]
-
-
-def cache_length(cache):
-    """How many target positions the cache holds already."""
-    self_cache = cache[0][0]
-    return self_cache["k"].size(2) if "k" in self_cache else 0
-
-
-def reorder_cache(cache, rows):
-    """Keep (and repeat) the cached rows `rows`, e.g. when beams are re-ranked."""
-    for self_cache, src_cache in cache:
-        for part in (self_cache, src_cache):
-            for name in ("k", "v"):
-                if name in part:
-                    part[name] = part[name].index_select(0, rows)
+# A cache (`init_cache`, defined in Part 2 next to `decode_step`) is one pair of
+# dictionaries per decoder layer; `MultiHeadedAttention` fills them (see its `cache`
+# argument in Part 1), and `decode_step` feeds only the positions the cache does not
+# hold yet. `reorder_cache` keeps the rows of chosen hypotheses, for beam search.
 
 
 # %% [markdown]
@@ -3817,20 +3828,9 @@ def _print_evaluation(result, score):
 
 
 # %%
-def _example_run():
-    """(translator, data_dir, out_dir) of the notebook's trained model, or None."""
-    data_dir = data_dir_from_env()
-    if data_dir is None or not (Path(data_dir) / "train.de.gz").exists():
-        print(f"This example needs the Multi30k files (set ${DATA_ENV}); skipping it.")
-        return None
-    profile = {"full": "base"}.get(PROFILE, PROFILE)
-    out_dir = Path(os.environ.get("ANNOTATED_TRANSFORMER_RUNS", "runs")) / profile
-    return load_trained_model(out_dir, data_dir, profile=profile), data_dir, out_dir
-
-
 def example_bleu():
     """BLEU of the notebook's model on the 2016 Flickr test set, greedy decoding."""
-    found = _example_run()
+    found = notebook_run()
     return None if found is None else evaluate(found[0], found[1])
 
 
@@ -3840,7 +3840,7 @@ show_example(example_bleu)
 # %%
 def example_averaging(last=2):
     """Validation BLEU of the last checkpoint and of the last `last` averaged."""
-    found = _example_run()
+    found = notebook_run()
     if found is None:
         return None
     _, data_dir, out_dir = found
@@ -4047,7 +4047,7 @@ def save_attention_maps(checkpoint, sentence, out_dir, layer=0, heads=None):
 # %%
 def example_attention_maps(sentence="Zwei Hunde spielen im Schnee mit einem Ball."):
     """The three attention maps of the last layer of the notebook's model."""
-    found = _example_run()
+    found = notebook_run()
     if found is None:
         return None
     alt = _altair()

@@ -1,9 +1,45 @@
 """Shared test setup: make the book's module importable from the repository root."""
 
+import os
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+
+import the_annotated_transformer as tat  # noqa: E402  (needs the path above)
+
+
+def data_dir_or_skip(environ):
+    """The data folder named in `environ`; skip without it, but fail in CI."""
+    value = environ.get(tat.DATA_ENV)
+    if value:
+        return Path(value)
+    message = (
+        f"${tat.DATA_ENV} is not set, so the Multi30k tests cannot find the data. "
+        "Point it at a folder holding the six Multi30k files (`make test` does)."
+    )
+    if environ.get("CI") == "true":
+        pytest.fail(message + " CI must run every test, so this is an error.")
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def multi30k_dir():
+    """The Multi30k folder from $ANNOTATED_TRANSFORMER_DATA (skip; fail in CI)."""
+    return data_dir_or_skip(os.environ)
+
+
+@pytest.fixture(scope="module")
+def one_cpu_thread():
+    """Run torch on one thread: for the tiny models of the data tests it is faster,
+    and it keeps two threads from waiting on each other on a busy shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -26,9 +26,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import data_dir_or_skip
 from torch import nn
 
 import the_annotated_transformer as tat
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 FIRST_TRAIN_PAIR = (
     "Zwei junge weiße Männer sind im Freien in der Nähe vieler Büsche.",
@@ -40,36 +43,6 @@ PROXY_VARIABLES += ("all_proxy", "ALL_PROXY")
 
 # ---------------------------------------------------------------------------
 # Shared setup
-
-
-def data_dir_or_skip(environ):
-    """The data folder named in `environ`; skip without it, but fail in CI."""
-    value = environ.get(tat.DATA_ENV)
-    if value:
-        return Path(value)
-    message = (
-        f"${tat.DATA_ENV} is not set, so the Multi30k tests cannot find the data. "
-        "Point it at a folder holding the six Multi30k files (`make test` does)."
-    )
-    if environ.get("CI") == "true":
-        pytest.fail(message + " CI must run every test, so this is an error.")
-    pytest.skip(message)
-
-
-@pytest.fixture(scope="module")
-def multi30k_dir():
-    """The Multi30k folder from $ANNOTATED_TRANSFORMER_DATA."""
-    return data_dir_or_skip(os.environ)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    """Run torch on one thread here: on a busy shared CPU, two threads that wait on
-    each other made small training runs a hundred times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

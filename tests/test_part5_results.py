@@ -9,7 +9,6 @@ but fail in CI (CI=true).
 
 import copy
 import gzip
-import os
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,8 @@ from torch import nn
 
 import the_annotated_transformer as tat
 
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
 WORDS = ["a", "dog", "runs", "."]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SENTENCE = "Ein Hund läuft im Schnee und ein Hund schläft."
@@ -25,27 +26,6 @@ SENTENCE = "Ein Hund läuft im Schnee und ein Hund schläft."
 
 # ---------------------------------------------------------------------------
 # Shared setup
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    """One torch thread: the CPU is shared, and these models are tiny."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def multi30k_dir():
-    """The Multi30k folder from $ANNOTATED_TRANSFORMER_DATA; skip (fail in CI)."""
-    value = os.environ.get(tat.DATA_ENV)
-    if value:
-        return Path(value)
-    message = f"${tat.DATA_ENV} is not set, so the Multi30k tests cannot find the data."
-    if os.environ.get("CI") == "true":
-        pytest.fail(message + " CI must run every test, so this is an error.")
-    pytest.skip(message)
 
 
 @pytest.fixture(scope="module")

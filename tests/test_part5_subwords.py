@@ -6,16 +6,17 @@ generator, and the command-line switches. Like Part 3's tests, they find Multi30
 through $ANNOTATED_TRANSFORMER_DATA: skipped on a laptop without it, failing in CI.
 """
 
-import os
 import shutil
 import unicodedata
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import data_dir_or_skip
 
 import the_annotated_transformer as tat
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 SMALL = dict(N=1, d_model=32, d_ff=64, h=2, dropout=0.0)
 NEW_FIELDS = ("vocab", "bpe_vocab_size", "share_embeddings", "tie_generator")
@@ -24,34 +25,6 @@ MARKERS = ("Ġ", "▁", "<s>", "</s>", "<blank>", "<unk>")
 
 # ---------------------------------------------------------------------------
 # Shared setup
-
-
-def data_dir_or_skip(environ):
-    """The data folder named in `environ`; skip without it, but fail in CI."""
-    value = environ.get(tat.DATA_ENV)
-    if value:
-        return Path(value)
-    message = (
-        f"${tat.DATA_ENV} is not set, so the subword tests cannot find Multi30k. "
-        "Point it at a folder holding the six Multi30k files (`make test` does)."
-    )
-    if environ.get("CI") == "true":
-        pytest.fail(message + " CI must run every test, so this is an error.")
-    pytest.skip(message)
-
-
-@pytest.fixture(scope="module")
-def multi30k_dir():
-    return data_dir_or_skip(os.environ)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    """One torch thread: small runs on a busy shared CPU go faster that way."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
