@@ -5,6 +5,8 @@
 #   make notebook   the_annotated_transformer.py -> notebooks/the_annotated_transformer.ipynb
 #   make sync       jupytext --sync: bring the .py and the notebook level, either way
 #   make script     notebooks/the_annotated_transformer.ipynb -> the_annotated_transformer.py
+#   make execute    run every cell of the notebook -> notebooks/*.executed.ipynb
+#   make html       the executed notebook as one HTML page
 #   make figures    write the book's figures to images/
 #   make bench      print performance figures (a benchmark, never a test)
 #   make lint       ruff check and ruff format --check
@@ -25,12 +27,12 @@ BOOK := the_annotated_transformer.py
 NOTEBOOK := notebooks/the_annotated_transformer.ipynb
 
 .DEFAULT_GOAL := run
-.PHONY: setup run test notebook sync script figures bench lint format clean
+.PHONY: setup run test notebook sync script execute html figures bench lint format clean
 
 # The tests that need Multi30k find it through this variable; the library itself never
 # assumes a data path. Set only when the folder is there.
 ifneq ($(wildcard $(DATA_DIR)/.),)
-test: export ANNOTATED_TRANSFORMER_DATA := $(abspath $(DATA_DIR))
+test execute: export ANNOTATED_TRANSFORMER_DATA := $(abspath $(DATA_DIR))
 endif
 
 setup: $(STAMP)
@@ -61,6 +63,20 @@ sync: $(STAMP)
 
 script: $(STAMP)
 	$(BIN)/jupytext --to py:percent --output $(BOOK) $(NOTEBOOK)
+
+# Run every cell (profile from ANNOTATED_TRANSFORMER_PROFILE, quick by default) with
+# the venv's kernel, then export the executed notebook as one HTML page.
+EXECUTED := notebooks/the_annotated_transformer.executed.ipynb
+
+execute: notebook
+	$(BIN)/jupyter nbconvert --to notebook --execute \
+		--ExecutePreprocessor.timeout=3600 --output $(notdir $(EXECUTED)) $(NOTEBOOK)
+
+html: $(EXECUTED)
+	$(BIN)/jupyter nbconvert --to html $(EXECUTED)
+
+$(EXECUTED):
+	$(MAKE) execute
 
 figures: $(STAMP)
 	$(VENV_PYTHON) $(BOOK) figures --out images/

@@ -77,9 +77,11 @@ from torch import nn
 # %% [markdown]
 # Examples are wrapped in `show_example`: it runs them when this file is executed as a
 # notebook and does nothing when the module is imported or run as a script (the
-# command line has its own entry point at the end). `PROFILE` picks how much work the
-# examples do: `quick` (the default, minutes on a CPU) or `full`, set through the
-# environment variable `ANNOTATED_TRANSFORMER_PROFILE`.
+# command line has its own entry point at the end). Charts are shown as PNG images
+# rendered on this machine, so the notebook needs no network to display them.
+# `PROFILE` picks how much work the examples do: `quick` (the default, minutes on a
+# CPU), `full` (the paper's base model; for a GPU) or `smoke` (seconds, for tests), set
+# through the environment variable `ANNOTATED_TRANSFORMER_PROFILE`.
 
 # %%
 PROFILE = os.environ.get("ANNOTATED_TRANSFORMER_PROFILE", "quick")
@@ -94,10 +96,21 @@ def in_notebook():
 
 
 def show_example(fn, *args, **kwargs):
-    """Run `fn` and return its result, but only inside the notebook."""
-    if in_notebook():
-        return fn(*args, **kwargs)
-    return None
+    """Run `fn`, but only inside the notebook; show a chart it returns as a PNG."""
+    if not in_notebook():
+        return None
+    result = fn(*args, **kwargs)
+    if type(result).__module__.startswith("altair"):
+        return chart_image(result)
+    return None  # examples print what they show; keep the notebook free of reprs
+
+
+def chart_image(chart, scale=2):
+    """An altair chart as an IPython PNG image, rendered offline by vl-convert."""
+    import vl_convert
+    from IPython.display import Image
+
+    return Image(data=vl_convert.vegalite_to_png(chart.to_json(), scale=scale))
 
 
 def _check_positive_int(**sizes):

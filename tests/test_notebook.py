@@ -4,12 +4,12 @@ The .py file is the source of the book; `make notebook` writes the notebook from
 with jupytext. These tests fail when someone edits one and forgets the other.
 """
 
+import os
 from pathlib import Path
 
+import jupytext
+import nbformat
 import pytest
-
-jupytext = pytest.importorskip("jupytext")
-nbformat = pytest.importorskip("nbformat")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BOOK = REPO_ROOT / "the_annotated_transformer.py"
@@ -52,3 +52,33 @@ def test_committed_notebook_has_no_outputs_or_execution_counts(committed):
 
 def test_committed_notebook_is_paired_with_the_book_by_jupytext(committed):
     assert committed.metadata["jupytext"]["formats"] == "notebooks//ipynb,py:percent"
+
+
+@pytest.mark.slow
+def test_notebook_executes_end_to_end_with_the_smoke_profile(
+    committed, multi30k_dir, tmp_path, monkeypatch
+):
+    """Every cell runs; charts come out as PNG; translations and BLEU are printed."""
+    from nbclient import NotebookClient
+
+    monkeypatch.setenv("ANNOTATED_TRANSFORMER_PROFILE", "smoke")
+    monkeypatch.setenv("ANNOTATED_TRANSFORMER_DATA", str(multi30k_dir))
+    monkeypatch.setenv("ANNOTATED_TRANSFORMER_RUNS", str(tmp_path / "runs"))
+    notebook = nbformat.from_dict(committed)
+    client = NotebookClient(
+        notebook,
+        timeout=600,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+    client.execute()  # raises CellExecutionError on the first failing cell
+    outputs = [o for cell in notebook.cells for o in cell.get("outputs", [])]
+    assert not [o for o in outputs if o.output_type == "error"]
+    pngs = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert len(pngs) >= 6  # five charts of Parts 1-2 and the attention maps
+    assert not [o for o in outputs if "text/html" in o.get("data", {})]  # no CDN charts
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "exact copy: yes" in text
+    assert "reference:" in text and "model:" in text  # translations beside references
+    assert "sacreBLEU: BLEU =" in text and "signature: nrefs:1" in text
+    assert os.path.isdir(tmp_path / "runs" / "smoke")
