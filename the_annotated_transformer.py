@@ -2406,6 +2406,21 @@ class TrainConfig:
         config.validate()
         return config
 
+    def make_model(self, src_vocab, tgt_vocab):
+        """The model these settings describe, for the given vocabulary sizes."""
+        return make_model(
+            src_vocab,
+            tgt_vocab,
+            N=self.N,
+            d_model=self.d_model,
+            d_ff=self.d_ff,
+            h=self.h,
+            dropout=self.dropout,
+            norm_first=self.norm_first,
+            share_embeddings=self.share_embeddings,
+            tie_generator=self.tie_generator,
+        )
+
     def to_dict(self):
         from dataclasses import asdict
 
@@ -2542,18 +2557,7 @@ def model_from_checkpoint(checkpoint, device="cpu"):
     """Rebuild (model, vocab_src, vocab_tgt, config) from a loaded checkpoint."""
     config = TrainConfig.from_dict(checkpoint["config"])
     vocab_src, vocab_tgt = vocabs_from_checkpoint(checkpoint)
-    model = make_model(
-        len(vocab_src),
-        len(vocab_tgt),
-        N=config.N,
-        d_model=config.d_model,
-        d_ff=config.d_ff,
-        h=config.h,
-        dropout=config.dropout,
-        norm_first=config.norm_first,
-        share_embeddings=config.share_embeddings,
-        tie_generator=config.tie_generator,
-    )
+    model = config.make_model(len(vocab_src), len(vocab_tgt))
     model.load_state_dict(checkpoint["model"])
     return model.to(device).eval(), vocab_src, vocab_tgt, config
 
@@ -2685,18 +2689,7 @@ def _train(
         + (f"; {world_size} processes" if distributed else "")
     )
     torch.manual_seed(config.seed)
-    model = make_model(
-        len(data.vocab_src),
-        len(data.vocab_tgt),
-        N=config.N,
-        d_model=config.d_model,
-        d_ff=config.d_ff,
-        h=config.h,
-        dropout=config.dropout,
-        norm_first=config.norm_first,
-        share_embeddings=config.share_embeddings,
-        tie_generator=config.tie_generator,
-    ).to(device)
+    model = config.make_model(len(data.vocab_src), len(data.vocab_tgt)).to(device)
     module = model
     optimizer, scheduler = make_optimizer(
         module, config.base_lr, config.d_model, config.factor, config.warmup

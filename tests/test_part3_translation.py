@@ -927,15 +927,7 @@ def test_micro_batches_that_do_not_step_run_under_no_sync(n_batches, inside, ste
 def untrained_val_nll(config, data):
     """Validation NLL per token of the model `_train` starts from."""
     torch.manual_seed(config.seed)
-    model = tat.make_model(
-        len(data.vocab_src),
-        len(data.vocab_tgt),
-        N=config.N,
-        d_model=config.d_model,
-        d_ff=config.d_ff,
-        h=config.h,
-        dropout=config.dropout,
-    )
+    model = config.make_model(len(data.vocab_src), len(data.vocab_tgt))
     criterion = tat.LabelSmoothing(len(data.vocab_tgt), tat.PAD, config.label_smoothing)
     loss_compute = tat.SimpleLossCompute(model.generator, criterion)
     sampler = tat.TokenBudgetBatchSampler(
