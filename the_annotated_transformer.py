@@ -33,7 +33,11 @@
 # 1. [Background](#Background)
 # 2. [Part 1: Model architecture](#Part-1:-Model-architecture)
 # 3. [Part 2: Model training](#Part-2:-Model-training)
-# 4. [Command line](#Command-line)
+# 4. [Part 3: A real example — German to English on Multi30k](#Part-3:-A-real-example-—-German-to-English-on-Multi30k)
+# 5. [Additional components](#Additional-components)
+# 6. [Results](#Results)
+# 7. [Conclusion](#Conclusion)
+# 8. [Figures](#Figures) and the [command line](#Command-line)
 #
 # **How to run it**
 #
