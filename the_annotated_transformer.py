@@ -1167,17 +1167,16 @@ def _mark_last(iterable):
 
 def _finish_group(model, optimizer, scheduler, group_tokens):
     """Turn summed gradients into the group's mean, then step the optimizer."""
-    scale = torch.tensor(float(max(group_tokens, 1)))
+    scale = float(max(group_tokens, 1))
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         # DDP averages gradients over processes; divide by the mean token count so the
         # result is the mean over every token of the global batch.
-        world = torch.distributed.get_world_size()
-        scale = scale.to(next(model.parameters()).device)
-        torch.distributed.all_reduce(scale)
-        scale = scale / world
+        counts = torch.tensor(scale, device=next(model.parameters()).device)
+        torch.distributed.all_reduce(counts)
+        scale = counts.item() / torch.distributed.get_world_size()
     for p in model.parameters():
         if p.grad is not None:
-            p.grad.div_(scale.to(p.grad.device))
+            p.grad.div_(scale)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if scheduler is not None:
@@ -1213,7 +1212,7 @@ def run_epoch(
     _check_positive_int(accum_iter=accum_iter)
     train_state = TrainState() if train_state is None else train_state
     model.train(training)
-    total_loss = torch.zeros(())
+    total_loss = 0.0  # becomes a tensor on the loss's device; read once at the end
     total_tokens = log_tokens = group_tokens = pending = 0
     last_log = time.perf_counter()
     with torch.set_grad_enabled(training):
@@ -1247,7 +1246,7 @@ def run_epoch(
                     _finish_group(model, optimizer, scheduler, group_tokens)
                     train_state.accum_step += 1
                     pending = group_tokens = 0
-            total_loss = total_loss + loss.detach().float().cpu()
+            total_loss = total_loss + loss.detach().float()  # stays on the device
             total_tokens += batch.ntokens
             log_tokens += batch.ntokens
             if training and not quiet and (i % log_every == 0 or is_last):
@@ -2646,6 +2645,13 @@ def train_worker(
             torch.distributed.destroy_process_group()
 
 
+def _data_fits(data, config, vocabs):
+    """Whether prepared `data` uses the config's kind of vocabulary (and `vocabs`)."""
+    if isinstance(data.vocab_src, Vocab) != (config.vocab == "word"):
+        return False
+    return vocabs is None or data.vocab_src.get_itos() == vocabs[0].get_itos()
+
+
 def _train(
     config,
     data_dir,
@@ -2660,9 +2666,7 @@ def _train(
     data,
 ):
     checkpoint = load_checkpoint(out_dir / "last.pt") if resume else None
-    wants_words = config.vocab == "word"
-    if data is not None and isinstance(data.vocab_src, Vocab) != wants_words:
-        data = None  # prepared with the other kind of vocabulary than the config's
+    vocabs = None
     if checkpoint is not None:
         # The run's own settings win, except the number of epochs, which a resumed
         # run may extend.
@@ -2670,13 +2674,9 @@ def _train(
             {**checkpoint["config"], "epochs": config.epochs}
         )
         vocabs = vocabs_from_checkpoint(checkpoint)
-    else:
-        vocabs = None if data is None else (data.vocab_src, data.vocab_tgt)
-    if (
-        data is None
-        or vocabs is not None
-        and data.vocab_src.get_itos() != vocabs[0].get_itos()
-    ):
+    if data is not None and not _data_fits(data, config, vocabs):
+        data = None  # prepared for another kind of vocabulary, or other words
+    if data is None:
         say(f"reading and tokenizing Multi30k from {data_dir} ...")
         data = prepare_data(
             data_dir,
