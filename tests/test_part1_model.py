@@ -498,7 +498,7 @@ def test_pre_norm_sublayer_computes_x_plus_dropout_of_f_of_norm_x():
     out = layer(x, f)
     torch.manual_seed(7)  # the same dropout mask for the explicit formula
     normed = tat.layer_norm_explicit(x, layer.norm.a_2, layer.norm.b_2, layer.norm.eps)
-    expected = x + F.dropout(f(normed), p=0.5, training=True)
+    expected = x + tat.dropout_keep_mask(x, 0.5) * f(normed)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -507,7 +507,7 @@ def test_post_norm_sublayer_computes_norm_of_x_plus_dropout_of_f_of_x():
     torch.manual_seed(7)
     out = layer(x, f)
     torch.manual_seed(7)
-    residual = x + F.dropout(f(x), p=0.5, training=True)
+    residual = x + tat.dropout_keep_mask(x, 0.5) * f(x)
     n = layer.norm
     expected = tat.layer_norm_explicit(residual, n.a_2, n.b_2, n.eps)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
@@ -950,3 +950,40 @@ def test_inference_test_returns_ten_token_ids_starting_with_the_start_symbol():
 
 def test_inference_test_with_the_same_seed_gives_the_same_tokens():
     assert torch.equal(tat.inference_test(3), tat.inference_test(3))
+
+
+def test_dropout_keeps_each_element_with_probability_1_minus_p_and_rescales():
+    torch.manual_seed(0)
+    drop = tat.Dropout(0.1).train()
+    x = torch.ones(400_000)
+    y = drop(x)
+    kept = y != 0
+    assert abs(kept.float().mean().item() - 0.9) < 0.003  # 6 standard deviations
+    assert torch.allclose(y[kept], torch.full_like(y[kept], 1 / 0.9))
+    assert abs(y.mean().item() - 1.0) < 0.004  # unbiased
+    pairs = kept[:-1] & kept[1:]  # neighbours are independent (no shared bits)
+    assert abs(pairs.float().mean().item() - 0.81) < 0.004
+
+
+def test_dropout_gradient_is_the_same_mask_and_eval_mode_is_identity():
+    drop = tat.Dropout(0.3).train()
+    x = torch.randn(50, 40, requires_grad=True)
+    y = drop(x)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, (y / x).detach())
+    drop.eval()
+    assert torch.equal(drop(x), x)
+    assert torch.equal(tat.Dropout(0.0).train()(x), x)
+
+
+def test_dropout_mask_is_reproducible_and_matches_nn_dropout_statistics():
+    torch.manual_seed(3)
+    first = tat.dropout_keep_mask(torch.empty(1001), 0.25)
+    torch.manual_seed(3)
+    assert torch.equal(first, tat.dropout_keep_mask(torch.empty(1001), 0.25))
+    assert first.shape == (1001,)
+    assert torch.allclose(first.unique(), torch.tensor([0.0, 4 / 3]))
+    torch.manual_seed(3)
+    reference = F.dropout(torch.ones(200_000), 0.25, training=True)
+    ours = tat.dropout_keep_mask(torch.empty(200_000), 0.25)
+    assert abs((ours == 0).float().mean() - (reference == 0).float().mean()) < 0.01
