@@ -43,3 +43,34 @@ def one_cpu_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def executed_notebook(multi30k_dir, tmp_path_factory):
+    """The committed notebook, every cell run with the smoke profile, saved to disk.
+
+    tests/test_notebook.py checks its outputs and tests/test_html.py its HTML page;
+    both share this one run (about a minute on a CPU). Training runs go beside it,
+    in runs/.
+    """
+    import nbformat
+    from nbclient import NotebookClient
+
+    folder = tmp_path_factory.mktemp("executed_notebook")
+    notebook = nbformat.read(
+        REPO_ROOT / "notebooks" / "the_annotated_transformer.ipynb", as_version=4
+    )
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("ANNOTATED_TRANSFORMER_PROFILE", "smoke")
+        env.setenv(tat.DATA_ENV, str(multi30k_dir))
+        env.setenv("ANNOTATED_TRANSFORMER_RUNS", str(folder / "runs"))
+        client = NotebookClient(
+            notebook,
+            timeout=600,
+            kernel_name="python3",
+            resources={"metadata": {"path": str(folder)}},
+        )
+        client.execute()  # raises CellExecutionError on the first failing cell
+    path = folder / "the_annotated_transformer.executed.ipynb"
+    nbformat.write(notebook, path)
+    return path

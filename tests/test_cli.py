@@ -106,18 +106,36 @@ def figures_dir(tmp_path_factory):
 
 
 def test_figures_command_writes_one_png_per_book_chart(figures_dir):
-    names = set(tat.book_charts())
-    assert names
+    names = set(tat.book_charts()) | set(tat.book_diagrams())
+    assert len(names) >= 9
     assert {p.name for p in figures_dir.iterdir()} == {f"{n}.png" for n in names}
 
 
 def test_every_figure_is_a_valid_non_blank_png(figures_dir):
-    for name in tat.book_charts():
+    for name in [*tat.book_charts(), *tat.book_diagrams()]:
         path = figures_dir / f"{name}.png"
         assert path.stat().st_size > 5_000, name
         pixels = decode_png(path)
         assert pixels.shape[0] > 100 and pixels.shape[1] > 100, name
         assert_not_blank(pixels, name)
+
+
+def test_diagrams_are_svg_with_the_blocks_they_explain():
+    import xml.etree.ElementTree as ET
+
+    expected = {
+        "architecture": ["Encoder", "Decoder", "Source attention", "Generator"],
+        "scaled_dot_product_attention": ["MatMul", "Scale", "Softmax over the keys"],
+        "multi_head_attention": ["Concat the heads", "Scaled dot-product attention"],
+    }
+    for name, draw in tat.book_diagrams().items():
+        svg = draw()
+        root = ET.fromstring(svg)  # well-formed XML
+        text = " ".join(
+            "".join(t.itertext()) for t in root.iter() if t.tag.endswith("text")
+        )
+        for label in expected[name]:
+            assert label in text, (name, label)
 
 
 def test_a_uniform_image_counts_as_blank():

@@ -622,6 +622,7 @@ def test_base_profile_is_the_papers_base_model():
         ({"max_len": 2}, "max_len"),
         ({"epochs": -1}, "epochs"),
         ({"dimension": 3}, "dimension"),
+        ({"time_limit": 0}, "time_limit is in minutes"),
     ],
 )
 def test_train_config_rejects_bad_settings_with_a_clear_message(overrides, message):
@@ -671,6 +672,22 @@ def test_training_saves_last_and_the_newest_epoch_checkpoints(smoke_run):
     assert [r["epoch"] for r in smoke_run.history] == [1, 2]
     vocab_tgt = tat.Vocab.load(smoke_run.out / "vocab_tgt.json")
     assert vocab_tgt.get_itos() == last["vocab_tgt"]
+
+
+def test_time_limit_stops_before_an_epoch_that_would_end_too_late(
+    multi30k_dir, tmp_path, capsys
+):
+    config = smoke_config(epochs=3, time_limit=1e-6)  # minutes: one epoch is longer
+    history = tat.train_model(config, multi30k_dir, tmp_path)
+    assert [r["epoch"] for r in history] == [1]  # the first epoch always runs
+    assert "stopping after epoch 1." in capsys.readouterr().out
+    assert tat.load_checkpoint(tmp_path / "last.pt")["epoch"] == 0
+
+
+def test_multi30k_profile_fits_its_hour_by_its_time_limit():
+    config = tat.TrainConfig.from_profile("multi30k")
+    assert config.time_limit is not None and config.time_limit < 60
+    assert (config.N, config.d_model, config.vocab) == (3, 256, "word")
 
 
 def test_an_epoch_checkpoint_rebuilds_the_trained_model(smoke_run):

@@ -493,3 +493,86 @@ def test_attention_command_with_a_head_that_does_not_exist_returns_2(
     assert tat.main([*argv, "--head", "5", SENTENCE]) == 2
     assert "heads must be in 0..1" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------
+# The whole recipe: reproduce (train, average, choose on validation, score test)
+
+
+@pytest.fixture(scope="module")
+def reproduced(multi30k_dir, tmp_path_factory):
+    """A two-epoch smoke run through reproduce, scored on 20 sentences a split."""
+    root = tmp_path_factory.mktemp("reproduce")
+    record = tat.reproduce(
+        "smoke",
+        multi30k_dir,
+        root / "run",
+        root / "results",
+        root / "images",
+        alphas=(0.6, 1.0),
+        limit=20,
+        quiet=True,
+        overrides={"max_train_pairs": 300, "epochs": 2},
+    )
+    return root, record
+
+
+def test_reproduce_trains_averages_and_chooses_on_validation_only(reproduced):
+    root, record = reproduced
+    assert record["epochs"] == len(record["history"]) == 2
+    assert (root / "run" / "averaged.pt").is_file()
+    assert set(record["validation_bleu"]) == {"last epoch", "average of the last 2"}
+    assert record["chosen"] == max(
+        record["validation_bleu"], key=record["validation_bleu"].get
+    )
+    by_alpha = record["validation_bleu_by_alpha"]
+    assert set(by_alpha) == {"0.6", "1"}
+    assert by_alpha[f"{record['alpha']:g}"] == max(by_alpha.values())
+    greedy, beam = record["test_greedy"], record["test_beam"]
+    assert greedy["split"] == beam["split"] == "test_2016_flickr"
+    assert (greedy["beam_size"], beam["beam_size"]) == (1, 4)
+    assert beam["alpha"] == record["alpha"]
+    assert "tok:13a" in greedy["signature"] and 0 <= greedy["bleu"] <= 100
+    assert record["parameters"] > 0 and record["train_seconds"] > 0
+
+
+def test_reproduce_writes_the_json_the_table_row_and_the_training_curve(
+    reproduced, multi30k_dir
+):
+    import json
+
+    root, record = reproduced
+    saved = json.loads((root / "results" / "smoke.json").read_text())
+    assert saved["test_beam"]["bleu"] == pytest.approx(record["test_beam"]["bleu"])
+    page = (root / "results" / "smoke.md").read_text()
+    assert tat.RESULTS_HEADER in page and tat.results_row(record) in page
+    row = tat.results_row(record).strip("|").split("|")
+    assert len(row) == 7 and row[0].strip() == "`smoke`"
+    assert f"{record['test_greedy']['bleu']:.2f}" in row[5]
+    pairs = tat.read_split(multi30k_dir, "test_2016_flickr")[:5]
+    assert [(e["source"], e["reference"]) for e in record["examples"]] == pairs
+    assert all(e["source"] in page for e in record["examples"])
+    curve = root / "images" / "training_curve_smoke.png"
+    assert curve.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_reproduce_command_reports_on_an_existing_run(reproduced, capsys):
+    root, _ = reproduced
+    out = root / "again"
+    code = tat.main(
+        ["reproduce", "--profile", "smoke", "--out", str(root / "run"), "--no-train"]
+        + ["--results", str(out), "--images", str(out), "--limit", "10"]
+        + ["--alphas", "0.6", "--data-dir", str(tat.data_dir_from_env())]
+    )
+    assert code == 0
+    assert (out / "smoke.md").is_file() and (out / "training_curve_smoke.png").is_file()
+    assert "| `smoke` |" in capsys.readouterr().out
+
+
+def test_reproduce_rejects_bad_alphas_and_a_run_without_checkpoints(tmp_path, capsys):
+    code = tat.main(
+        ["reproduce", "--data-dir", str(tmp_path), "--alphas", "0.6,x", "--no-train"]
+    )
+    assert code == 2 and "--alphas takes numbers" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match="no epoch checkpoints"):
+        tat.reproduce("smoke", tmp_path, tmp_path / "empty", None, train=False)

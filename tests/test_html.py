@@ -1,0 +1,234 @@
+"""`make html` writes one self-contained page that a browser renders offline.
+
+The smoke-profile run of the notebook (conftest.py) goes through tools/export_html.py,
+the exporter behind `make html`. Headless Chromium (Debian's, which .ci/run installs)
+then opens the page from disk with every host name unresolvable, takes a screenshot
+and dumps the DOM after its scripts ran: the title, the table of contents, the charts
+and the typeset math must all be there without the network.
+"""
+
+import base64
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+from urllib.parse import unquote
+
+import nbformat
+import pytest
+from bs4 import BeautifulSoup
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EXPORT_HTML = REPO_ROOT / "tools" / "export_html.py"
+NOTEBOOK = REPO_ROOT / "notebooks" / "the_annotated_transformer.ipynb"
+
+# Headless, no profile state, none of Chromium's own background traffic; the host
+# resolver rule makes any request for a remote page, script or font fail at once.
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-quic",
+    "--host-resolver-rules=MAP * ~NOTFOUND",
+]
+PNG_DATA_URL = "data:image/png;base64,"
+
+pytestmark = pytest.mark.slow
+
+
+def chromium_or_skip(environ):
+    """The path of Debian's chromium; skip without it, but fail in CI."""
+    path = shutil.which("chromium") or shutil.which("chromium", path="/usr/bin")
+    if path:
+        return path
+    message = (
+        "Chromium is not installed, so the HTML page cannot be opened in a browser. "
+        "Install Debian's package: `apt-get install --no-install-recommends chromium` "
+        "(.ci/run does)."
+    )
+    if environ.get("CI") == "true":
+        pytest.fail(message + " CI must run every test, so this is an error.")
+    pytest.skip(message)
+
+
+def png_pixels(data):
+    """Yield the pixels of an 8-bit, non-interlaced PNG, row by row, as byte strings.
+
+    A small decoder (zlib and the five PNG filters) so that the test needs no imaging
+    library; it is lazy, so a caller that has seen enough pixels can stop early.
+    """
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG file"
+    chunks, pos = {}, 8
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind = data[pos + 4 : pos + 8]
+        chunks.setdefault(kind, []).append(data[pos + 8 : pos + 8 + length])
+        pos += 12 + length
+    width, height, depth, colour, _, _, interlace = struct.unpack(
+        ">IIBBBBB", chunks[b"IHDR"][0]
+    )
+    channels = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}[colour]
+    assert depth == 8 and interlace == 0, "only 8-bit, non-interlaced PNGs"
+    raw = zlib.decompress(b"".join(chunks[b"IDAT"]))
+    bpp, stride = channels, width * channels
+    previous = bytearray(stride)
+    for y in range(height):
+        start = y * (stride + 1)
+        kind, row = raw[start], bytearray(raw[start + 1 : start + 1 + stride])
+        for i in range(stride):
+            left = row[i - bpp] if i >= bpp else 0
+            up = previous[i]
+            if kind == 1:
+                row[i] = (row[i] + left) & 255
+            elif kind == 2:
+                row[i] = (row[i] + up) & 255
+            elif kind == 3:
+                row[i] = (row[i] + (left + up) // 2) & 255
+            elif kind == 4:
+                up_left = previous[i - bpp] if i >= bpp else 0
+                estimate = left + up - up_left
+                pa, pb, pc = (abs(estimate - v) for v in (left, up, up_left))
+                nearest = left if pa <= pb and pa <= pc else up if pb <= pc else up_left
+                row[i] = (row[i] + nearest) & 255
+        previous = row
+        yield [bytes(row[x : x + bpp]) for x in range(0, stride, bpp)]
+
+
+def distinct_colours(data, enough):
+    """How many distinct pixel values the PNG holds, counting up to `enough`."""
+    seen = set()
+    for row in png_pixels(data):
+        seen.update(row)
+        if len(seen) >= enough:
+            break
+    return len(seen)
+
+
+def book_title():
+    """The book's title: the first heading of the notebook's first cell."""
+    first = nbformat.read(NOTEBOOK, as_version=4).cells[0].source
+    heading = first.lstrip().partition("\n")[0]
+    assert heading.startswith("# "), f"the first cell starts with {heading!r}"
+    return heading[2:].strip()
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    return chromium_or_skip(os.environ)
+
+
+@pytest.fixture(scope="module")
+def page(executed_notebook, tmp_path_factory):
+    """The executed notebook as HTML, written by `make html`'s exporter."""
+    out = tmp_path_factory.mktemp("html") / "the_annotated_transformer.html"
+    subprocess.run(
+        [sys.executable, str(EXPORT_HTML), str(executed_notebook), "--out", str(out)],
+        check=True,
+        cwd=REPO_ROOT,
+    )
+    return out
+
+
+def run_chromium(chromium, page, profile, *args):
+    """Run headless Chromium on `page` with a fresh profile; return its stdout."""
+    result = subprocess.run(
+        [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args, page.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert result.returncode == 0, f"chromium failed:\n{result.stderr[-3000:]}"
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def screenshot(chromium, page, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("screenshot")
+    path = folder / "page.png"
+    run_chromium(
+        chromium,
+        page,
+        folder / "profile",
+        f"--screenshot={path}",
+        "--window-size=1280,4000",
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def dom(chromium, page, tmp_path_factory):
+    """The page's DOM after its scripts (MathJax) ran, parsed."""
+    folder = tmp_path_factory.mktemp("dom")
+    html = run_chromium(chromium, page, folder / "profile", "--dump-dom")
+    return BeautifulSoup(html, "html.parser")
+
+
+def test_page_is_titled_with_the_books_title(dom):
+    assert dom.title is not None
+    assert dom.title.get_text(strip=True) == book_title()
+
+
+def test_table_of_contents_links_to_sections_of_the_page(dom):
+    label = dom.find(string=re.compile(r"^\s*(Table of )?[Cc]ontents\s*$"))
+    assert label is not None, "no 'Contents' heading in the page"
+    contents = label.find_next(["ol", "ul"])
+    links = [a["href"] for a in contents.find_all("a", href=True)]
+    assert len(links) >= 5, f"the table of contents has only {links}"
+    ids = {element["id"] for element in dom.find_all(id=True)}
+    for href in links:
+        assert href.startswith("#"), f"{href} does not point into the page"
+        # Browsers match the fragment as written, then percent-decoded.
+        fragment = href[1:]
+        assert {fragment, unquote(fragment)} & ids, f"no section with the id {href}"
+
+
+def test_charts_are_embedded_pngs_with_something_drawn(dom):
+    charts = [
+        img["src"]
+        for img in dom.select(".jp-OutputArea-output img[src]")
+        if img["src"].startswith(PNG_DATA_URL)
+    ]
+    assert len(charts) >= 6  # five charts of Parts 1-2 and the attention maps
+    first = base64.b64decode(charts[0][len(PNG_DATA_URL) :])
+    assert distinct_colours(first, enough=16) >= 16, "the first chart is blank"
+
+
+def test_math_is_typeset_offline(dom):
+    rendered = dom.select("mjx-container[jax='SVG']")
+    assert len(rendered) >= 20, f"only {len(rendered)} formulas were typeset"
+    errors = dom.select("mjx-merror, [data-mjx-error]")
+    assert not errors, f"MathJax could not typeset: {errors[0].get_text()[:200]}"
+
+
+def test_screenshot_shows_the_page(screenshot):
+    assert screenshot.is_file(), "chromium wrote no screenshot"
+    assert distinct_colours(screenshot.read_bytes(), enough=16) >= 16, "blank page"
+
+
+def test_page_is_one_file_that_fetches_nothing(page):
+    html = page.read_text(encoding="utf-8")
+    soup = BeautifulSoup(html, "html.parser")
+    assert not soup.select("script[src]"), "a script is loaded from elsewhere"
+    assert not soup.select("link[href]"), "a stylesheet or icon is loaded from a file"
+    for tag in soup.select("[src]"):
+        assert tag["src"].startswith("data:"), f"<{tag.name}> loads {tag['src'][:80]}"
+    styles = " ".join(
+        [style.get_text() for style in soup.find_all("style")]
+        + [tag["style"] for tag in soup.find_all(style=True)]
+    )
+    remote = re.compile(r"""(url\(\s*['"]?|@import\s+['"]?)(https?:)?//""")
+    assert not remote.search(styles), "a stylesheet fetches from another host"
+    scripts = " ".join(script.get_text() for script in soup.find_all("script"))
+    remote_import = re.compile(r"""import\s*\(?\s*['"](https?:)?//""")
+    assert not remote_import.search(scripts), "a script imports from another host"
+    for cdn in ("cdnjs.cloudflare.com", "require.min.js", "mermaid", "unpkg.com"):
+        assert cdn not in html, f"the page still mentions {cdn}"
