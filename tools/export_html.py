@@ -1,0 +1,120 @@
+"""Export an executed notebook as one self-contained HTML page (`make html`).
+
+    python tools/export_html.py notebooks/the_annotated_transformer.executed.ipynb
+
+The page fetches nothing from the network. nbconvert's own template loads MathJax,
+require.js and mermaid from CDNs; tools/offline.html.j2 drops the last two (the book
+has no widgets and no diagrams) and inlines MathJax 3 from the pinned
+django-static-mathjax package instead. Charts are PNG outputs already, and the
+figures that markdown cells link to (`../images/*.png`) are embedded as data URLs.
+tests/test_html.py opens the page in headless Chromium.
+"""
+
+import argparse
+import base64
+import mimetypes
+import re
+from importlib.resources import files
+from pathlib import Path
+
+import nbformat
+from nbconvert import HTMLExporter
+from nbconvert.preprocessors import Preprocessor
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TEMPLATE = REPO_ROOT / "tools" / "offline.html.j2"
+# The committed notebook's folder: its markdown links to figures start here.
+NOTEBOOKS = REPO_ROOT / "notebooks"
+# MathJax's single-file builds; the template inlines tex-svg-full.js, which holds every
+# TeX extension (nothing left to load on demand) and draws glyphs as SVG (no fonts).
+MATHJAX_ES5 = files("mathjax") / "static" / "mathjax" / "es5"
+
+
+class TitleFromFirstHeading(Preprocessor):
+    """Title the page with the notebook's first `# ` heading (it has no title)."""
+
+    def preprocess(self, nb, resources):
+        for cell in nb.cells:
+            if cell.cell_type == "markdown":
+                first_line = cell.source.lstrip().partition("\n")[0]
+                if first_line.startswith("# "):
+                    nb.metadata.setdefault("title", first_line[2:].strip())
+                break
+        return nb, resources
+
+
+# A markdown image, ![alt](src "title"); the alt text may run over several lines.
+MARKDOWN_IMAGE = re.compile(r'(!\[[^\]]*\]\()([^)\s]+)((?:\s+"[^"]*")?\))')
+
+
+class AttachLocalImages(Preprocessor):
+    """Make each markdown image that links to a local file a cell attachment.
+
+    nbconvert writes attachments into the page as data URLs; its own embed_images
+    option refuses files outside the notebook's folder, such as ../images/.
+    """
+
+    def preprocess_cell(self, cell, resources, index):
+        if cell.cell_type != "markdown":
+            return cell, resources
+        folder = Path(resources["metadata"]["path"])
+
+        def attach(match):
+            before, src, after = match.groups()
+            if ":" in src:  # a URL, a data URL or an attachment already
+                return match.group(0)
+            path = folder / src
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"markdown cell {index} shows {src}, but there is no {path}"
+                )
+            mime = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+            data = base64.b64encode(path.read_bytes()).decode("ascii")
+            cell.setdefault("attachments", {})[path.name] = {mime: data}
+            return f"{before}attachment:{path.name}{after}"
+
+        cell.source = MARKDOWN_IMAGE.sub(attach, cell.source)
+        return cell, resources
+
+
+def make_exporter():
+    """The HTMLExporter behind `make html`: lab template, offline, images embedded."""
+    exporter = HTMLExporter(
+        template_name="lab",
+        template_file=str(TEMPLATE),
+        extra_template_paths=[str(MATHJAX_ES5)],
+        embed_images=True,  # <img> tags in markdown, for files under the folder
+    )
+    exporter.register_preprocessor(TitleFromFirstHeading, enabled=True)
+    exporter.register_preprocessor(AttachLocalImages, enabled=True)
+    return exporter
+
+
+def export_html(notebook, out=None, images_from=NOTEBOOKS):
+    """Write the notebook file as HTML beside it (or to `out`); return its path.
+
+    Relative image links in markdown cells start at `images_from`: the folder of the
+    committed notebook, wherever the executed copy was written.
+    """
+    notebook = Path(notebook)
+    out = Path(out) if out else notebook.with_suffix(".html")
+    nb = nbformat.read(notebook, as_version=4)
+    resources = {"metadata": {"path": str(Path(images_from).resolve())}}
+    body, _ = make_exporter().from_notebook_node(nb, resources=resources)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(body, encoding="utf-8")
+    tmp.replace(out)
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
+    parser.add_argument("notebook", help="an executed .ipynb")
+    parser.add_argument("--out", help="the HTML file (default: beside the notebook)")
+    args = parser.parse_args(argv)
+    path = export_html(args.notebook, args.out)
+    print(f"wrote {path} ({path.stat().st_size:,} bytes)")
+
+
+if __name__ == "__main__":
+    main()
