@@ -10,6 +10,7 @@
 #   make figures    write the book's figures to images/
 #   make bench      print performance figures (a benchmark, never a test)
 #   make multi30k   train the multi30k profile, average, score: results/multi30k.*
+#                   (make results-quick: the same for another profile)
 #   make lint       ruff check and ruff format --check
 #   make format     ruff format, then ruff check --fix
 #   make clean      remove caches and executed-notebook leftovers (keeps the venv)
@@ -33,7 +34,7 @@ NOTEBOOK := notebooks/the_annotated_transformer.ipynb
 # The tests that need Multi30k find it through this variable; the library itself never
 # assumes a data path. Set only when the folder is there.
 ifneq ($(wildcard $(DATA_DIR)/.),)
-test execute bench multi30k: export ANNOTATED_TRANSFORMER_DATA := $(abspath $(DATA_DIR))
+test execute bench results-%: export ANNOTATED_TRANSFORMER_DATA := $(abspath $(DATA_DIR))
 endif
 
 setup: $(STAMP)
@@ -91,11 +92,14 @@ bench: $(STAMP)
 # 2-core CPU), average the last checkpoints, choose the checkpoint and beam search's
 # alpha on the validation split, then score test 2016. Writes results/multi30k.json,
 # results/multi30k.md, images/training_curve_multi30k.png, and this log.
-multi30k: $(STAMP)
+# `make results-PROFILE` does the same for any profile (quick, base, ...).
+multi30k: results-multi30k
+
+results-%: $(STAMP)
 	mkdir -p results
-	bash -o pipefail -c '$(VENV_PYTHON) $(BOOK) reproduce --profile multi30k \
-		--data-dir "$$ANNOTATED_TRANSFORMER_DATA" --out runs/multi30k 2>&1 \
-		| tee results/multi30k.log'
+	bash -o pipefail -c '$(VENV_PYTHON) $(BOOK) reproduce --profile $* \
+		--data-dir "$$ANNOTATED_TRANSFORMER_DATA" --out runs/$* 2>&1 \
+		| tee results/$*.log'
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

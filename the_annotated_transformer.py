@@ -32,7 +32,8 @@
 # 0. [Preliminaries](#Preliminaries)
 # 1. [Background](#Background)
 # 2. [Part 1: Model architecture](#Part-1:-Model-architecture)
-# 3. [Part 2: Model training](#Part-2:-Model-training)
+# 3. [Part 2: Model training](#Part-2:-Model-training), with
+#    [a first example: learning to copy](#A-first-example:-learning-to-copy)
 # 4. [Part 3: A real example — German to English on Multi30k](#Part-3:-A-real-example-—-German-to-English-on-Multi30k)
 # 5. [Additional components](#Additional-components)
 # 6. [Results](#Results)
@@ -1223,9 +1224,9 @@ def _finish_group(model, optimizer, scheduler, group_tokens):
         counts = torch.tensor(scale, device=next(model.parameters()).device)
         torch.distributed.all_reduce(counts)
         scale = counts.item() / torch.distributed.get_world_size()
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad.div_(scale)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if grads:  # one multi-tensor kernel instead of a division per parameter
+        torch._foreach_div_(grads, scale)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if scheduler is not None:
@@ -3191,16 +3192,28 @@ def run_model_example(
     return check_outputs(translator, read_split(data_dir, "val"), n_examples)
 
 
+def notebook_data_dir():
+    """The Multi30k folder named by $ANNOTATED_TRANSFORMER_DATA; None, after saying
+    what is missing and how to get it, when it is unset or lacks the files."""
+    data_dir = data_dir_from_env()
+    if data_dir is None or not (Path(data_dir) / "train.de.gz").exists():
+        where = (
+            "is not set" if data_dir is None else f"is {data_dir}, without the files"
+        )
+        print(
+            f"This example needs the Multi30k files, and ${DATA_ENV} {where}. Set it "
+            "to a folder that holds them, or download them first with `python "
+            "the_annotated_transformer.py download --data-dir DIR`. Skipping it."
+        )
+        return None
+    return data_dir
+
+
 def notebook_run():
     """(translator, data_dir, out_dir) of the notebook's model, trained if needed;
     None, with a message saying what is missing, when there is no data."""
-    data_dir = data_dir_from_env()
-    if data_dir is None or not (Path(data_dir) / "train.de.gz").exists():
-        print(
-            f"This example needs the Multi30k files. Set ${DATA_ENV} to a folder that "
-            "holds them, or download them with `python the_annotated_transformer.py "
-            "download --data-dir DIR`. Skipping it."
-        )
+    data_dir = notebook_data_dir()
+    if data_dir is None:
         return None
     profile = {"full": "base"}.get(PROFILE, PROFILE)
     out_dir = Path(os.environ.get("ANNOTATED_TRANSFORMER_RUNS", "runs")) / profile
@@ -3413,9 +3426,8 @@ class SubwordVocab:
 # %%
 def example_subwords(vocab_size=8000, n=1000):
     """Learn the joint vocabulary and show how it cuts German and English text."""
-    data_dir = data_dir_from_env()
-    if data_dir is None or not (Path(data_dir) / "train.de.gz").exists():
-        print(f"This example needs the Multi30k files (set ${DATA_ENV}); skipping it.")
+    data_dir = notebook_data_dir()
+    if data_dir is None:
         return None
     train = read_split(data_dir, "train")
     vocab = SubwordVocab.build((text for pair in train for text in pair), vocab_size)

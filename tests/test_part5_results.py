@@ -576,3 +576,28 @@ def test_reproduce_rejects_bad_alphas_and_a_run_without_checkpoints(tmp_path, ca
     assert code == 2 and "--alphas takes numbers" in capsys.readouterr().err
     with pytest.raises(FileNotFoundError, match="no epoch checkpoints"):
         tat.reproduce("smoke", tmp_path, tmp_path / "empty", None, train=False)
+
+
+@pytest.mark.parametrize("folder", [None, "empty"])
+@pytest.mark.parametrize(
+    "example",
+    [
+        "example_multi30k",
+        "example_subwords",
+        "example_results",
+        "example_attention_maps",
+    ],
+)
+def test_data_examples_without_data_say_what_is_missing_and_how_to_get_it(
+    example, folder, tmp_path, monkeypatch, capsys
+):
+    """The notebook's Part 3 and later cells still run without Multi30k: they skip."""
+    if folder is None:
+        monkeypatch.delenv(tat.DATA_ENV, raising=False)
+    else:
+        monkeypatch.setenv(tat.DATA_ENV, str(tmp_path))
+    monkeypatch.setenv("ANNOTATED_TRANSFORMER_RUNS", str(tmp_path / "runs"))
+    assert getattr(tat, example)() is None
+    said = capsys.readouterr().out
+    assert tat.DATA_ENV in said and "download --data-dir" in said
+    assert not (tmp_path / "runs").exists()  # nothing trained
