@@ -4153,10 +4153,19 @@ def results_markdown(record):
         "|---|---|---|---|",
     ]
     lines += [
-        f"| {e['source']} | {e['reference']} | {e['greedy']} | {e['beam']} |"
+        "| "
+        + " | ".join(
+            _table_cell(e[k]) for k in ("source", "reference", "greedy", "beam")
+        )
+        + " |"
         for e in record["examples"]
     ]
     return "\n".join(lines) + "\n"
+
+
+def _table_cell(text):
+    """Text safe inside a Markdown table cell: <unk> shown, not taken for HTML."""
+    return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def chart_training_curve(history, title=""):
