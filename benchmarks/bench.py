@@ -842,7 +842,17 @@ def figure_startup(ctx):
 
 
 def max_rss_mib():
-    """This process's peak resident memory so far, in MiB (Linux reports KiB)."""
+    """This process's peak resident memory so far, in MiB.
+
+    Linux's VmHWM first: ru_maxrss survives exec, so a probe started from a process
+    that had already used gigabytes would report the parent's peak.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
