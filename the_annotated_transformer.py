@@ -49,6 +49,14 @@
 # * From the command line: `python the_annotated_transformer.py copy` trains the copy
 #   task; `python the_annotated_transformer.py --help` lists every job.
 #
+# **Two environment variables**, set before starting Jupyter:
+#
+# * `ANNOTATED_TRANSFORMER_DATA`: the folder that holds the Multi30k files, for Part 3
+#   and after. Get them with `python the_annotated_transformer.py download --data-dir
+#   DIR`. Without it, those cells say what is missing and skip; everything else runs.
+# * `ANNOTATED_TRANSFORMER_PROFILE`: `quick` (the default, about 5 minutes on a 2-core
+#   CPU), `smoke` (tiny models, for tests) or `full` (the paper's base model, for a GPU).
+#
 # Text in block quotes that starts with **Note** is our own commentary: tips, pitfalls
 # and places where this code differs from the paper or from the 2018/2022 notebook.
 # Everything else paraphrases the paper.
