@@ -211,7 +211,7 @@ class EchoTranslator:
         self.answers = answers
         self.calls = []
 
-    def translate(self, sentences, batch_size=64, beam_size=1):
+    def translate(self, sentences, batch_size=64, beam_size=1, alpha=0.6):
         self.calls.append((list(sentences), batch_size, beam_size))
         return [self.answers[s] for s in sentences]
 
