@@ -4079,13 +4079,16 @@ def reproduce(
         chosen_paths = epochs[-average_last:]
         average_checkpoints(chosen_paths, out_dir / "averaged.pt")
         candidates[f"average of the last {len(chosen_paths)}"] = out_dir / "averaged.pt"
+    translators = {
+        name: Translator.from_checkpoint(p) for name, p in candidates.items()
+    }
     validation = {}
-    for name, path in candidates.items():
-        score = evaluate(str(path), data_dir, "val", quiet=True, limit=limit)["bleu"]
+    for name, candidate in translators.items():
+        score = evaluate(candidate, data_dir, "val", quiet=True, limit=limit)["bleu"]
         validation[name] = score
         say(f"validation BLEU, greedy, {name}: {score:.2f}")
     chosen = max(validation, key=validation.get)
-    translator = Translator.from_checkpoint(candidates[chosen])
+    translator = translators[chosen]
     by_alpha = {}
     for alpha in alphas:
         by_alpha[alpha] = evaluate(
@@ -4209,16 +4212,27 @@ def _write_results(record, results_dir, images_dir):
     _atomic_write_text(results_dir / f"{name}.md", results_markdown(record))
     written = [results_dir / f"{name}.json", results_dir / f"{name}.md"]
     if images_dir is not None:
-        path = Path(images_dir) / f"training_curve_{name}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.png")
-        chart_training_curve(record["history"], f"{name} profile").save(
-            str(tmp), scale_factor=2
-        )
-        os.replace(tmp, path)
-        written.append(path)
+        curve = chart_training_curve(record["history"], f"{name} profile")
+        written.append(save_png(curve, Path(images_dir) / f"training_curve_{name}.png"))
     for path in written:
         print(f"wrote {path}")
+
+
+def save_png(figure, path):
+    """Write an altair chart, or a diagram's SVG text, as a PNG file; returns the path.
+
+    It goes to a temporary file first and is renamed into place, so a failure never
+    leaves a half-written figure behind.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.png")
+    if isinstance(figure, str):
+        tmp.write_bytes(svg_png(figure))  # svg_png: see Figures, at the end
+    else:
+        figure.save(str(tmp), scale_factor=2)
+    os.replace(tmp, path)
+    return path
 
 
 # %% [markdown]
@@ -4413,15 +4427,8 @@ def save_attention_maps(checkpoint, sentence, out_dir, layer=0, heads=None):
     """Write the three attention maps of `sentence` as PNG files; returns the paths."""
     translator = Translator.from_checkpoint(checkpoint)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, chart in attention_maps(translator, sentence, layer, heads).items():
-        path = out_dir / f"{name}.png"
-        tmp = path.with_suffix(".tmp.png")
-        chart.save(str(tmp), scale_factor=2)
-        os.replace(tmp, path)  # never leave a half-written figure behind
-        written.append(path)
-    return written
+    maps = attention_maps(translator, sentence, layer, heads)
+    return [save_png(chart, out_dir / f"{name}.png") for name, chart in maps.items()]
 
 
 # %% [markdown]
@@ -4830,21 +4837,13 @@ def book_charts():
 def save_figures(out_dir="images", names=None, *, quiet=False):
     """Render the book's charts to `out_dir`/<name>.png; returns the paths written."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     charts = {**book_diagrams(), **book_charts()}
     unknown = sorted(set(names or ()) - set(charts))
     if unknown:
         raise ValueError(f"unknown figure(s) {unknown}; choose from {sorted(charts)}.")
     written = []
     for name in names or charts:
-        path = out_dir / f"{name}.png"
-        tmp = path.with_suffix(".tmp.png")
-        figure = charts[name]()
-        if isinstance(figure, str):  # a diagram's SVG text
-            tmp.write_bytes(svg_png(figure))
-        else:
-            figure.save(str(tmp), scale_factor=2)
-        os.replace(tmp, path)  # never leave a half-written figure behind
+        path = save_png(charts[name](), out_dir / f"{name}.png")
         written.append(path)
         if not quiet:
             print(f"wrote {path}")

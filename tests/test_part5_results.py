@@ -465,14 +465,13 @@ def test_attention_weights_restore_the_models_settings(translator):
         model.eval()
 
 
+def attention_argv(checkpoint, out):
+    """The attention command's arguments up to the heads and the sentence."""
+    return ["attention", "--checkpoint", str(checkpoint), "--out", str(out)]
+
+
 def test_attention_command_writes_the_three_maps_as_png(trained_checkpoint, tmp_path):
-    argv = [
-        "attention",
-        "--checkpoint",
-        str(trained_checkpoint),
-        "--out",
-        str(tmp_path),
-    ]
+    argv = attention_argv(trained_checkpoint, tmp_path)
     assert tat.main([*argv, "--head", "0", "--head", "1", SENTENCE]) == 0
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == [f"{name}.png" for name in sorted(tat.ATTENTION_TITLES)]
@@ -483,13 +482,7 @@ def test_attention_command_writes_the_three_maps_as_png(trained_checkpoint, tmp_
 def test_attention_command_with_a_head_that_does_not_exist_returns_2(
     trained_checkpoint, tmp_path, capsys
 ):
-    argv = [
-        "attention",
-        "--checkpoint",
-        str(trained_checkpoint),
-        "--out",
-        str(tmp_path),
-    ]
+    argv = attention_argv(trained_checkpoint, tmp_path)
     assert tat.main([*argv, "--head", "5", SENTENCE]) == 2
     assert "heads must be in 0..1" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
