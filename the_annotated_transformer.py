@@ -2062,9 +2062,15 @@ def download_multi30k(data_dir, *, base_url=MULTI30K_URL, quiet=False, timeout=6
         tmp = data_dir / f".{name}.part{os.getpid()}"
         try:
             with urllib.request.urlopen(base_url + name, timeout=timeout) as response:
+                announced = response.headers.get("Content-Length")
                 with open(tmp, "wb") as out:
                     for chunk in iter(lambda: response.read(1 << 16), b""):
                         out.write(chunk)
+            if announced is not None and tmp.stat().st_size != int(announced):
+                raise DataError(
+                    f"{name}: the connection closed after {tmp.stat().st_size} of "
+                    f"{announced} bytes; nothing was saved. Run the download again."
+                )
             actual = sha256_of(tmp)
             if actual != expected:
                 raise DataError(

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import the_annotated_transformer as tat
 
@@ -155,11 +156,133 @@ def test_figures_command_with_an_unknown_name_exits_2_and_writes_nothing(
     assert not out.exists() or not any(out.iterdir())
 
 
-def test_copy_with_zero_epochs_exits_2_with_a_clear_message():
-    result = run_script("copy", "--epochs", "0")
-    assert result.returncode == 2
-    assert "epochs must be a positive integer" in result.stderr
-    assert "Traceback" not in result.stderr
+def assert_one_line_error(result, *expected):
+    """Exit status 2, nothing but one line on stderr, naming each of `expected`."""
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "error" in lines[0] and "Traceback" not in result.stderr
+    for text in expected:
+        assert text in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["copy", "--epochs", "0"], "--epochs"),
+        (
+            ["train", "--data-dir", "d", "--out", "o", "--max-tokens", "0"],
+            "--max-tokens",
+        ),
+        (
+            ["train", "--data-dir", "d", "--out", "o", "--accum-iter", "0"],
+            "--accum-iter",
+        ),
+        (["train", "--data-dir", "d", "--out", "o", "--nprocs", "0"], "--nprocs"),
+        (["train", "--data-dir", "d", "--out", "o", "--epochs", "-3"], "--epochs"),
+        (["evaluate", "--checkpoint", "c.pt", "--batch-size", "0"], "--batch-size"),
+        (["evaluate", "--checkpoint", "c.pt", "--beam", "0"], "--beam"),
+        (["reproduce", "--beam", "0"], "--beam"),
+    ],
+)
+def test_a_count_below_one_exits_2_with_one_line_naming_the_option(argv, option):
+    assert_one_line_error(run_script(*argv), option, "at least 1")
+
+
+def test_more_processes_than_this_machine_has_exits_2_saying_how_many_it_has(
+    tmp_path,
+):
+    argv = ["train", "--data-dir", str(tmp_path), "--out", str(tmp_path / "run")]
+    result = run_script(*argv, "--nprocs", "100000")
+    assert_one_line_error(result, "--nprocs 100000", "at most")
+    assert not (tmp_path / "run").exists()
+
+
+def tiny_checkpoint():
+    """A checkpoint as `train` writes it, of a tiny untrained model (no data)."""
+    config = tat.TrainConfig.from_profile("smoke")
+    itos = [*tat.SPECIALS, "ein", "hund", "a", "dog"]
+    torch.manual_seed(0)
+    model = config.make_model(len(itos), len(itos))
+    return {
+        "model": tat._weights_only(model.state_dict()),
+        "config": config.to_dict(),
+        "vocab_src": itos,
+        "vocab_tgt": itos,
+        "epoch": 0,
+    }
+
+
+def test_translate_with_a_checkpoint_of_the_right_form_prints_a_line(tmp_path):
+    """The control for the damaged checkpoints below: the intact one translates."""
+    path = tmp_path / "tiny.pt"
+    torch.save(tiny_checkpoint(), path)
+    result = run_script("translate", "--checkpoint", str(path), "ein hund")
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.splitlines()) == 1
+
+
+def no_config(checkpoint):
+    del checkpoint["config"]
+    return checkpoint
+
+
+def wrong_shape(checkpoint):
+    checkpoint["model"]["generator.proj.weight"] = torch.zeros(3, 32)
+    return checkpoint
+
+
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        (no_config, "lacks ['config']"),
+        (wrong_shape, "generator.proj.weight"),
+        (lambda checkpoint: checkpoint["model"], "lacks"),  # a bare state dict
+        (None, "not a readable checkpoint"),  # not a torch file at all
+    ],
+)
+def test_translate_with_a_damaged_checkpoint_exits_2_with_one_line_naming_it(
+    damage, expected, tmp_path
+):
+    path = tmp_path / "damaged.pt"
+    if damage is None:
+        path.write_text("these are not the weights you are looking for")
+    else:
+        torch.save(damage(tiny_checkpoint()), path)
+    result = run_script("translate", "--checkpoint", str(path), "ein hund")
+    assert_one_line_error(result, "damaged.pt", expected)
+
+
+def test_translate_with_no_sentences_and_empty_input_exits_2_saying_what_to_pass(
+    tmp_path,
+):
+    path = tmp_path / "tiny.pt"
+    torch.save(tiny_checkpoint(), path)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "translate", "--checkpoint", str(path)],
+        cwd=REPO_ROOT,
+        input="\n  \n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert_one_line_error(result, "no sentences given")
+
+
+def test_an_unexpected_failure_is_one_line_that_says_how_to_see_the_traceback(
+    monkeypatch, capsys
+):
+    def broken(args):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(tat, "_run_command", broken)
+    assert tat.main(["figures"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "KeyError" in err[0]
+    assert "ANNOTATED_TRANSFORMER_DEBUG=1" in err[0]
+    monkeypatch.setenv("ANNOTATED_TRANSFORMER_DEBUG", "1")
+    with pytest.raises(KeyError):
+        tat.main(["figures"])
 
 
 def test_help_lists_the_copy_and_figures_commands():

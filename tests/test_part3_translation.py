@@ -93,11 +93,22 @@ def test_data_fixture_skips_locally_but_fails_in_ci_when_the_variable_is_unset()
 
 
 class RecordingHandler(http.server.SimpleHTTPRequestHandler):
-    """Serves a folder and records the name of every file asked for."""
+    """Serves a folder and records the name of every file asked for; a file named
+    in `server.cut` is announced whole but sent only half, then the connection
+    closes (an interrupted download)."""
 
     def do_GET(self):
-        self.server.requested.append(self.path.lstrip("/"))
-        super().do_GET()
+        name = self.path.lstrip("/")
+        self.server.requested.append(name)
+        if name not in self.server.cut:
+            return super().do_GET()
+        data = (Path(self.directory) / name).read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data[: len(data) // 2])
+        self.wfile.flush()
+        self.close_connection = True
 
     def log_message(self, format, *args):  # keep the test output clean
         pass
@@ -114,7 +125,7 @@ def multi30k_server(multi30k_dir, tmp_path, monkeypatch):
         shutil.copyfile(multi30k_dir / name, folder / name)
     handler = functools.partial(RecordingHandler, directory=str(folder))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.requested = []
+    server.requested, server.cut = [], set()
     thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     try:
@@ -122,6 +133,7 @@ def multi30k_server(multi30k_dir, tmp_path, monkeypatch):
             url=f"http://127.0.0.1:{server.server_port}/",
             folder=folder,
             requested=server.requested,
+            cut=server.cut,
         )
     finally:
         server.shutdown()
@@ -212,6 +224,21 @@ def test_download_command_returns_2_naming_a_file_it_could_not_fetch(
     monkeypatch.setattr(tat, "download_multi30k", local)
     assert tat.main(["download", "--data-dir", str(tmp_path / "data")]) == 2
     assert "train.en.gz" in capsys.readouterr().err
+
+
+def test_download_command_cut_off_mid_file_exits_2_in_one_line_and_keeps_nothing(
+    multi30k_server, tmp_path, monkeypatch, capsys
+):
+    multi30k_server.cut.add("train.de.gz")
+    local = functools.partial(tat.download_multi30k, base_url=multi30k_server.url)
+    monkeypatch.setattr(tat, "download_multi30k", local)
+    target = tmp_path / "data"
+    assert tat.main(["download", "--data-dir", str(target)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.de.gz" in err[0]
+    assert "the connection closed after" in err[0]
+    assert "train.de.gz" in multi30k_server.requested
+    assert not [name for name in names_in(target) if "train.de" in name]
 
 
 # ---------------------------------------------------------------------------
@@ -674,20 +701,20 @@ def test_training_saves_last_and_the_newest_epoch_checkpoints(smoke_run):
     assert vocab_tgt.get_itos() == last["vocab_tgt"]
 
 
-def test_time_limit_stops_before_an_epoch_that_would_end_too_late(
+def test_time_limit_stops_before_an_epoch_that_would_end_too_late_and_says_so(
     multi30k_dir, tmp_path, capsys
 ):
     config = smoke_config(epochs=3, time_limit=1e-6)  # minutes: one epoch is longer
     history = tat.train_model(config, multi30k_dir, tmp_path)
     assert [r["epoch"] for r in history] == [1]  # the first epoch always runs
-    assert "stopping after epoch 1." in capsys.readouterr().out
-    assert tat.load_checkpoint(tmp_path / "last.pt")["epoch"] == 0
+    assert "stopped after 1 of the 3 epochs" in capsys.readouterr().out
+    last = tat.load_checkpoint(tmp_path / "last.pt")
+    assert last["epoch"] == 0 and "stopped after 1 of the 3 epochs" in last["stopped"]
 
 
-def test_multi30k_profile_fits_its_hour_by_its_time_limit():
-    config = tat.TrainConfig.from_profile("multi30k")
-    assert config.time_limit is not None and config.time_limit < 60
-    assert (config.N, config.d_model, config.vocab) == (3, 256, "word")
+def test_a_run_within_its_time_limit_trains_its_whole_budget_unmarked(smoke_run):
+    assert len(smoke_run.history) == smoke_config().epochs
+    assert "stopped" not in tat.load_checkpoint(smoke_run.out / "last.pt")
 
 
 def test_an_epoch_checkpoint_rebuilds_the_trained_model(smoke_run):
@@ -1073,3 +1100,147 @@ def test_train_command_trains_the_smoke_profile_and_saves_a_checkpoint(
     assert last["config"]["profile"] == "smoke"
     assert (last["config"]["epochs"], last["config"]["max_tokens"]) == (1, 800)
     assert [r["epoch"] for r in last["history"]] == [1]
+
+
+# ---------------------------------------------------------------------------
+# One folder, one run: refusing to mix runs, resuming, pruning
+
+
+def copy_of(run_folder, tmp_path):
+    target = tmp_path / "run"
+    shutil.copytree(run_folder, target)
+    return target
+
+
+def train_argv(multi30k_dir, out, *more):
+    return ["train", "--data-dir", str(multi30k_dir), "--out", str(out), *more]
+
+
+def test_train_into_a_folder_holding_a_run_exits_2_and_leaves_the_run_alone(
+    smoke_run, multi30k_dir, tmp_path, capsys
+):
+    run = copy_of(smoke_run.out, tmp_path)
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    argv = train_argv(multi30k_dir, run, "--profile", "smoke", "--epochs", "1")
+    assert tat.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert str(run) in err[0] and "--resume" in err[0] and "--out" in err[0]
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+def test_resume_takes_the_runs_settings_and_extends_only_its_epochs(
+    smoke_run, multi30k_dir, tmp_path, capsys
+):
+    run = copy_of(smoke_run.out, tmp_path)
+    assert tat.main(train_argv(multi30k_dir, run, "--resume", "--epochs", "3")) == 0
+    printed = capsys.readouterr().out
+    assert f"resuming {run / 'last.pt'} (profile smoke): 2 of 3 epochs done" in printed
+    last = tat.load_checkpoint(run / "last.pt")
+    assert last["config"] == smoke_config(epochs=3).to_dict()  # not quick's settings
+    assert [r["epoch"] for r in last["history"]] == [1, 2, 3]
+    assert last["history"][:2] == smoke_run.history
+    assert tat.epoch_files(run) == [run / "epoch_003.pt"]  # keep_checkpoints=1
+
+
+@pytest.mark.parametrize(
+    "more, expected",
+    [
+        ([], "has finished its 2 epochs"),
+        (["--epochs", "2"], "has finished its 2 epochs"),
+        (["--max-tokens", "500"], "max_tokens=500 (the run has 300)"),
+        (["--profile", "quick"], "profile='quick' (the run has 'smoke')"),
+        (["--epochs", "3", "--bf16"], "bf16=True (the run has False)"),
+    ],
+)
+def test_resume_refuses_to_change_a_runs_settings_or_to_train_nothing(
+    smoke_run, multi30k_dir, tmp_path, capsys, more, expected
+):
+    run = copy_of(smoke_run.out, tmp_path)
+    before = (run / "last.pt").read_bytes()
+    assert tat.main(train_argv(multi30k_dir, run, "--resume", *more)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
+    assert (run / "last.pt").read_bytes() == before
+
+
+def test_resume_counts_the_time_limit_from_the_time_the_run_has_spent(
+    multi30k_dir, tmp_path, capsys
+):
+    config = smoke_config(epochs=1, time_limit=60.0)  # an hour: epoch 1 fits
+    tat.train_model(config, multi30k_dir, tmp_path, quiet=True)
+    last = tat.load_checkpoint(tmp_path / "last.pt")
+    assert 0 < last["elapsed"] < 600  # measured: seconds, not an hour
+    tat.save_checkpoint(tmp_path / "last.pt", last | {"elapsed": 3600.0})  # spent
+    argv = train_argv(multi30k_dir, tmp_path, "--resume", "--epochs", "2")
+    assert tat.main(argv) == 0
+    assert "stopped after 1 of the 2 epochs" in capsys.readouterr().out
+    again = tat.load_checkpoint(tmp_path / "last.pt")
+    assert again["epoch"] == 0 and "stopped" in again["stopped"]
+
+
+def test_epoch_files_are_ordered_by_epoch_number_not_by_name(tmp_path):
+    for name in ("epoch_1000.pt", "epoch_999.pt", "epoch_002.pt", "epoch_x.pt"):
+        (tmp_path / name).write_bytes(b"")
+    assert [p.name for p in tat.epoch_files(tmp_path)] == [
+        "epoch_002.pt",
+        "epoch_999.pt",
+        "epoch_1000.pt",
+    ]
+
+
+# ---------------------------------------------------------------------------
+# Data-parallel training that cannot hang
+
+
+def test_epoch_seeds_differ_by_rank_and_epoch_and_repeat_for_the_same_ones():
+    seeds = {tat.epoch_seed(0, e, r) for e in range(3) for r in range(4)}
+    assert len(seeds) == 12
+    assert tat.epoch_seed(0, 1, 1) == tat.epoch_seed(0, 1, 1)
+    assert tat.epoch_seed(1, 0, 0) != tat.epoch_seed(0, 1, 0)  # not seed + epoch
+
+
+@pytest.mark.parametrize("n, replicas", [(5, 2), (7, 3), (9, 4), (2, 2)])
+def test_every_process_gets_as_many_batches_when_each_batch_holds_one_pair(n, replicas):
+    shares = [
+        list(tat.TokenBudgetBatchSampler([10] * n, 1, num_replicas=replicas, rank=r))
+        for r in range(replicas)
+    ]
+    assert len({len(share) for share in shares}) == 1
+    seen = Counter(i for share in shares for batch in share for i in batch)
+    assert set(seen) == set(range(n))  # every pair at least once
+    assert sum(seen.values()) - n < replicas  # fewer than one round repeated
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"accum_iter": 2},
+        {"max_tokens": 1, "max_train_pairs": 25},  # one pair a batch, an odd count
+    ],
+    ids=["accum_iter=2", "one pair per batch, 25 pairs"],
+)
+def test_two_processes_train_an_epoch_to_the_end_without_hanging(
+    multi30k_dir, tmp_path, monkeypatch, overrides
+):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    config = smoke_config(epochs=1, **overrides)
+    history = tat.train_model(config, multi30k_dir, tmp_path, nprocs=2, quiet=True)
+    assert [r["epoch"] for r in history] == [1]
+    state = tat.load_checkpoint(tmp_path / "last.pt")["train_state"]
+    data = tat.prepare_data(
+        multi30k_dir, splits=("train",), max_train_pairs=config.max_train_pairs
+    )
+    shares = [
+        list(
+            tat.TokenBudgetBatchSampler(
+                data.lengths("train"), config.max_tokens, num_replicas=2, rank=r
+            )
+        )
+        for r in range(2)
+    ]
+    assert len(shares[0]) == len(shares[1]) == state["step"]
+    assert state["accum_step"] == math.ceil(state["step"] / config.accum_iter)

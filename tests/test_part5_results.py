@@ -270,7 +270,7 @@ def test_evaluate_runs_a_checkpoint_end_to_end_and_prints_the_signature(
     assert lines[-1] == "" and len(lines[:-1]) == len(pairs) == result["n"] == 20
     expected = sacrebleu.corpus_bleu(lines[:-1], [[en for _, en in pairs]]).score
     assert result["bleu"] == pytest.approx(expected)
-    assert 0.0 <= result["bleu"] <= 100.0 and result["beam_size"] == 1
+    assert result["beam_size"] == 1
 
 
 def test_evaluate_with_beam_size_2_decodes_with_beam_search(
@@ -288,7 +288,14 @@ def test_evaluate_with_beam_size_2_decodes_with_beam_search(
     result = tat.evaluate(translator, folder, "mini", beam_size=2, quiet=True)
     assert calls and set(calls) == {2}
     assert result["n"] == len(pairs) and result["beam_size"] == 2
-    assert 0.0 <= result["bleu"] <= 100.0
+    import sacrebleu
+
+    references = [[en for _, en in pairs]]
+    expected = sacrebleu.corpus_bleu(result["hypotheses"], references).score
+    assert result["bleu"] == pytest.approx(expected)
+    assert result["hypotheses"] == translator.translate(
+        [de for de, _ in pairs], beam_size=2
+    )
 
 
 def test_evaluate_command_returns_0_and_writes_one_line_per_sentence(
@@ -525,8 +532,11 @@ def test_reproduce_trains_averages_and_chooses_on_validation_only(reproduced):
     assert greedy["split"] == beam["split"] == "test_2016_flickr"
     assert (greedy["beam_size"], beam["beam_size"]) == (1, 4)
     assert beam["alpha"] == record["alpha"]
-    assert "tok:13a" in greedy["signature"] and 0 <= greedy["bleu"] <= 100
-    assert record["parameters"] > 0 and record["train_seconds"] > 0
+    assert "tok:13a" in greedy["signature"]
+    assert record["epochs_planned"] == 2 and record["stopped_by_time_limit"] is None
+    rebuilt = tat.Translator.from_checkpoint(root / "run" / "epoch_002.pt")
+    assert record["parameters"] == tat.count_parameters(rebuilt.model)
+    assert record["train_seconds"] >= sum(r["seconds"] for r in record["history"])
 
 
 def test_reproduce_writes_the_json_the_table_row_and_the_training_curve(
@@ -567,8 +577,103 @@ def test_reproduce_rejects_bad_alphas_and_a_run_without_checkpoints(tmp_path, ca
         ["reproduce", "--data-dir", str(tmp_path), "--alphas", "0.6,x", "--no-train"]
     )
     assert code == 2 and "--alphas takes numbers" in capsys.readouterr().err
-    with pytest.raises(FileNotFoundError, match="no epoch checkpoints"):
+    with pytest.raises(FileNotFoundError, match="no trained run"):
         tat.reproduce("smoke", tmp_path, tmp_path / "empty", None, train=False)
+
+
+def test_reproduce_into_a_folder_holding_a_run_exits_2_and_trains_nothing(
+    reproduced, multi30k_dir, capsys
+):
+    root, _ = reproduced
+    before = {p.name: p.stat().st_mtime_ns for p in (root / "run").iterdir()}
+    argv = ["reproduce", "--profile", "smoke", "--out", str(root / "run")]
+    argv += ["--data-dir", str(multi30k_dir), "--results", str(root / "unused")]
+    assert tat.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already holds a training run" in err[0]
+    assert "--no-train" in err[0]
+    assert {p.name: p.stat().st_mtime_ns for p in (root / "run").iterdir()} == before
+    assert not (root / "unused").exists()
+
+
+def test_reproduce_reads_the_test_split_only_after_choosing_on_validation(
+    reproduced, multi30k_dir, monkeypatch
+):
+    root, _ = reproduced
+    events = []
+    read_split, print_ = tat.read_split, print
+
+    def recording_read_split(data_dir, split):
+        events.append(("read", split))
+        return read_split(data_dir, split)
+
+    def recording_print(*args, **kwargs):
+        text = " ".join(map(str, args))
+        if text.startswith("chosen on validation"):
+            events.append(("chose", None))
+        print_(*args, **kwargs)
+
+    monkeypatch.setattr(tat, "read_split", recording_read_split)
+    monkeypatch.setattr(tat, "print", recording_print, raising=False)
+    tat.reproduce("smoke", multi30k_dir, root / "run", None, train=False, limit=5)
+    chose = events.index(("chose", None))
+    assert {split for _, split in events[:chose]} == {"val"}
+    assert ("read", "test_2016_flickr") in events[chose:]
+
+
+def test_reproduce_writes_its_results_before_printing_the_table(
+    reproduced, multi30k_dir, tmp_path, monkeypatch
+):
+    """A console that cannot print α must not cost the results of a long run."""
+    root, _ = reproduced
+    print_ = print
+
+    def ascii_console(*args, **kwargs):
+        text = " ".join(map(str, args))
+        text.encode("ascii")  # raises UnicodeEncodeError, as such a console would
+        print_(*args, **kwargs)
+
+    monkeypatch.setattr(tat, "print", ascii_console, raising=False)
+    with pytest.raises(UnicodeEncodeError):
+        tat.reproduce(
+            "smoke", multi30k_dir, root / "run", tmp_path, None, train=False, limit=5
+        )
+    assert (tmp_path / "smoke.json").is_file() and (tmp_path / "smoke.md").is_file()
+
+
+def test_reproduce_command_on_an_ascii_console_still_prints_the_row(reproduced):
+    import subprocess
+    import sys
+
+    root, _ = reproduced
+    out = root / "ascii"
+    argv = ["reproduce", "--profile", "smoke", "--out", str(root / "run")]
+    argv += ["--no-train", "--results", str(out), "--images", str(out)]
+    argv += ["--limit", "5", "--alphas", "0.6", "--data-dir"]
+    argv += [str(tat.data_dir_from_env())]
+    result = subprocess.run(
+        [sys.executable, str(Path(tat.__file__)), *argv],
+        capture_output=True,
+        env={**__import__("os").environ, "PYTHONIOENCODING": "ascii"},
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr.decode(errors="replace")
+    assert b"\\u03b1" in result.stdout  # α, escaped
+    assert (out / "smoke.json").is_file()
+
+
+def test_reproduce_ignores_epoch_files_past_the_runs_last_epoch(
+    reproduced, multi30k_dir, tmp_path
+):
+    import shutil
+
+    root, _ = reproduced
+    run = tmp_path / "run"
+    shutil.copytree(root / "run", run)
+    shutil.copyfile(run / "epoch_001.pt", run / "epoch_020.pt")  # a stray old file
+    tat.reproduce("smoke", multi30k_dir, run, None, train=False, limit=5)
+    averaged = tat.load_checkpoint(run / "averaged.pt")["averaged_from"]
+    assert [Path(p).name for p in averaged] == ["epoch_001.pt", "epoch_002.pt"]
 
 
 @pytest.mark.parametrize("folder", [None, "empty"])
