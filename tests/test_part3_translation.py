@@ -1027,6 +1027,45 @@ def test_translate_returns_one_english_string_per_german_sentence(translator):
     assert tat.translate(translator, "Ein Hund läuft.") == outputs[:1]
 
 
+def test_a_sentence_longer_than_training_max_len_is_translated_whole(translator):
+    words = " ".join(["Hund"] * 100)  # 100 words: more than max_len = 72 ids
+    assert translator.config.max_len < 102
+    assert translator.encode([words])[0] == [
+        tat.BOS,
+        *[translator.vocab_src["Hund"]] * 100,
+        tat.EOS,
+    ]
+
+
+def test_translate_command_names_a_sentence_longer_than_the_models_positions(
+    translator, monkeypatch, capsys
+):
+    """Past the positional encoding's table a sentence must be cut: it is, aloud."""
+    config = translator.config
+    short = tat.make_model(
+        len(translator.vocab_src),
+        len(translator.vocab_tgt),
+        N=config.N,
+        d_model=config.d_model,
+        d_ff=config.d_ff,
+        h=config.h,
+        max_len=30,
+    )
+    short.load_state_dict(tat._weights_only(translator.model.state_dict()))
+    limited = tat.Translator(
+        short.eval(), translator.vocab_src, translator.vocab_tgt, config
+    )
+    monkeypatch.setattr(tat.Translator, "from_checkpoint", lambda path: limited)
+    long = " ".join(["Hund"] * 40)  # 42 ids with <s> and </s>
+    assert tat.main(["translate", "--checkpoint", "x.pt", "Ein Hund.", long]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 2
+    assert err.strip() == (
+        "warning: sentence 2 has 42 tokens, more than the model's 30 positions; "
+        "only its first 30 are translated."
+    )
+
+
 def test_translate_ids_stops_each_sentence_at_its_end_symbol(translator):
     src_ids = translator.encode(["Ein Hund läuft.", "Zwei Männer."])
     for tokens in translator.translate_ids(src_ids, max_extra=5):
