@@ -2744,11 +2744,12 @@ def vocabs_from_checkpoint(checkpoint):
 
 def model_from_checkpoint(checkpoint, device="cpu", path="the checkpoint"):
     """Rebuild (model, vocab_src, vocab_tgt, config) from a loaded checkpoint."""
-    missing = [k for k in ("model", "config") if k not in checkpoint]
-    if not isinstance(checkpoint, dict) or missing:
+    is_dict = isinstance(checkpoint, dict)
+    missing = [k for k in ("model", "config") if not is_dict or k not in checkpoint]
+    if missing:
         raise DataError(
             f"{path} is not a model checkpoint of this project (it lacks "
-            f"{missing or 'everything'}); a bare state dict loads with "
+            f"{missing}); a bare state dict loads with "
             "model.load_state_dict in Python. Pass a .pt written by `train`."
         )
     try:

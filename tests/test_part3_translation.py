@@ -1283,3 +1283,46 @@ def test_two_processes_train_an_epoch_to_the_end_without_hanging(
     ]
     assert len(shares[0]) == len(shares[1]) == state["step"]
     assert state["accum_step"] == math.ceil(state["step"] / config.accum_iter)
+
+
+# ---------------------------------------------------------------------------
+# bf16 only where it pays
+
+
+@pytest.mark.parametrize("speedup, expected", [(0.03, None), (1.7, torch.bfloat16)])
+def test_bf16_is_used_only_where_a_measured_matmul_says_it_pays(
+    speedup, expected, monkeypatch, capsys
+):
+    monkeypatch.setattr(tat, "bf16_matmul_speedup", lambda device: speedup)
+    assert tat.amp_dtype_for(True, torch.device("cpu")) == expected
+    said = capsys.readouterr().out.strip().splitlines()
+    if expected is None:
+        assert len(said) == 1 and "--bf16 ignored" in said[0] and "0.03x" in said[0]
+    else:
+        assert said == []
+
+
+def test_bf16_not_asked_for_is_not_even_measured(monkeypatch):
+    def never(device):
+        raise AssertionError("measured without --bf16")
+
+    monkeypatch.setattr(tat, "bf16_matmul_speedup", never)
+    assert tat.amp_dtype_for(False, torch.device("cpu")) is None
+
+
+def test_bf16_speedup_is_the_ratio_of_the_two_timed_products(monkeypatch):
+    """float32 time / bfloat16 time, each the fastest of its repeats after one
+    warm-up call (a fake clock makes every call's duration known)."""
+    durations = iter([9.0, 2.0, 3.0, 50.0, 8.0, 6.0])  # fp32: 2, 3; bf16: 8, 6
+    clock = [0.0]
+
+    def fake_perf_counter():
+        return clock[0]
+
+    def fake_matmul(self, other):
+        clock[0] += next(durations)
+        return self
+
+    monkeypatch.setattr(tat.time, "perf_counter", fake_perf_counter)
+    monkeypatch.setattr(torch.Tensor, "__matmul__", fake_matmul)
+    assert tat.bf16_matmul_speedup("cpu", tokens=4, d_model=2) == pytest.approx(2 / 6)
