@@ -706,10 +706,14 @@ def test_greedy_decode_keeps_the_original_positional_signature():
 # ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def trained_copy_model():
-    """The copy task trained with its default settings (the slow part, done once)."""
-    config = tat.CopyTaskConfig()
+@pytest.fixture(scope="module", params=[0, 1, 2], ids=lambda seed: f"seed {seed}")
+def trained_copy_model(request):
+    """The copy task trained with its default settings, from three seeds.
+
+    Exactness must not hang on one lucky seed: the schedule cools the rate to zero, so
+    every seed ends in a settled model (`make bench` checks seeds 0-9).
+    """
+    config = tat.CopyTaskConfig(seed=request.param)
     start = time.perf_counter()
     model, history = tat.train_copy_task(config, quiet=True, device="cpu")
     seconds = time.perf_counter() - start
