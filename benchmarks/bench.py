@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import the_annotated_transformer as tat  # noqa: E402
+from workshop import fast  # noqa: E402
+from workshop.runs import RunConfig, bf16_matmul_speedup  # noqa: E402
 
 DEFAULT_JSON = "benchmarks/results.json"
 MAX_SENTENCE = 24  # issue #6: ragged sentences of up to 24 tokens
@@ -67,16 +69,18 @@ class Sizes:
         return f"N={self.N} d_model={self.d_model} h={self.h} d_ff={self.d_ff}"
 
     def make_model(self, seed=0):
-        """The book's model at these sizes, initialised from `seed`."""
+        """The book's model at these sizes, initialised from `seed`, with the dropout
+        that training runs use (workshop.fast)."""
         torch.manual_seed(seed)
-        return tat.make_model(
+        model = tat.make_model(
             self.vocab, self.vocab, self.N, self.d_model, self.d_ff, self.h
         )
+        return fast.use_fast_dropout(model)
 
 
 def quick_profile_sizes(vocab=8000):
     """The sizes of TrainConfig's "quick" profile (3 layers, d_model=128)."""
-    config = tat.TrainConfig.from_profile("quick")
+    config = RunConfig.from_profile("quick")
     return Sizes(config.N, config.d_model, config.d_ff, config.h, vocab)
 
 
@@ -354,11 +358,12 @@ class TorchTransformer(nn.Module):
 def trainer(model, amp_dtype=None, smoothing=0.1, warmup=4000):
     """A function that trains `model` on a list of Batches as the book's training does.
 
-    LabelSmoothing + SimpleLossCompute + make_optimizer, through run_epoch; the
-    function returns run_epoch's mean loss per target token.
+    LabelSmoothing (workshop.fast's, as training runs use) + SimpleLossCompute +
+    make_optimizer, through run_epoch; the function returns run_epoch's mean loss per
+    target token.
     """
     d_model, vocab = model.generator.proj.in_features, model.generator.proj.out_features
-    criterion = tat.LabelSmoothing(vocab, tat.PAD, smoothing)
+    criterion = fast.LabelSmoothing(vocab, tat.PAD, smoothing)
     loss_compute = tat.SimpleLossCompute(model.generator, criterion)
     optimizer, scheduler = tat.make_optimizer(model, model_size=d_model, warmup=warmup)
 
@@ -425,9 +430,7 @@ def loss_after(sizes, batches, amp_dtype, window=10):
     rate is large enough for the loss to move within a hundred steps.
     """
     model = sizes.make_model(seed=0)
-    train = trainer(
-        model, amp_dtype, warmup=tat.TrainConfig.from_profile("quick").warmup
-    )
+    train = trainer(model, amp_dtype, warmup=RunConfig.from_profile("quick").warmup)
     torch.manual_seed(1)
     train(batches[:-window])
     return train(batches[-window:])  # run_epoch: mean loss per token of the window
@@ -486,7 +489,7 @@ class Context:
     @functools.cached_property
     def bf16_speedup(self):
         """The book's probe: one float32 matrix product's time over a bfloat16 one's."""
-        return tat.bf16_matmul_speedup("cpu")
+        return bf16_matmul_speedup("cpu")
 
     @property
     def bf16_pays(self):
@@ -630,7 +633,7 @@ def figure_pipeline(ctx):
         ]
     if not Path(ctx.data_dir).is_dir():
         return [skipped("pipeline", figure, f"{ctx.data_dir} is not a folder")]
-    settings, config = ctx.settings, tat.TrainConfig.from_profile("quick")
+    settings, config = ctx.settings, RunConfig.from_profile("quick")
     n = settings.pipeline_batches
     data = tat.prepare_data(
         ctx.data_dir,
@@ -710,14 +713,17 @@ def figure_decoding(ctx):
     rows = []
     for batch, goal in ((1, Goal(">=", 3.0)), (64, None)):
         memory, src_mask = random_memory(model, batch)
-        for use_cache in (False, True):  # warm-up: a few steps, not the whole length
-            tat.time_decoding(model, memory, src_mask, 2, use_cache)
+
+        def timed(cached, steps, memory=memory, src_mask=src_mask):
+            cache = tat.KVCache(model) if cached else None  # fresh for every call
+            return tat.time_decoding(model, memory, src_mask, steps, cache)
+
+        for cached in (False, True):  # warm-up: a few steps, not the whole length
+            timed(cached, 2)
         seconds = median_times(
             {
-                cache: functools.partial(
-                    tat.time_decoding, model, memory, src_mask, steps, cache
-                )
-                for cache in (False, True)
+                cached: functools.partial(timed, cached, steps)
+                for cached in (False, True)
             },
             settings.repeats,
             warmup=0,
@@ -739,7 +745,7 @@ def figure_decoding(ctx):
 
 
 def source_batches(sentences, batch_size):
-    """Batches of source id lists, as Translator.translate_ids collates them."""
+    """Batches of source id lists, as the book's decode_ids collates them."""
     return [
         tat.collate_batch([(ids, [tat.BOS, tat.EOS]) for ids in chunk])
         for chunk in chunks(sentences, batch_size)
@@ -749,7 +755,7 @@ def source_batches(sentences, batch_size):
 def greedy_all(model, batches, max_len):
     """Greedy-decode every batch to exactly `max_len` ids (no end symbol)."""
     for batch in batches:
-        tat.greedy_decode(model, batch.src, batch.src_mask, max_len, tat.BOS)
+        tat.cached_greedy_decode(model, batch.src, batch.src_mask, max_len, tat.BOS)
 
 
 def figure_batching(ctx):
@@ -802,7 +808,7 @@ def figure_beam(ctx):
         args = (model, batch.src, batch.src_mask, max_len, tat.BOS)
         seconds = median_times(
             {
-                "greedy": functools.partial(tat.greedy_decode, *args),
+                "greedy": functools.partial(tat.cached_greedy_decode, *args),
                 "beam": functools.partial(
                     tat.beam_search, *args, NEVER, beam_size=4, pad_symbol=tat.PAD
                 ),
@@ -937,7 +943,7 @@ def measure_memory(sizes, batch_size):
 
 def figure_memory(ctx):
     """Peak resident memory of a base-size and of a quick-profile training step."""
-    quick = tat.TrainConfig.from_profile("quick")
+    quick = RunConfig.from_profile("quick")
     cases = (
         ("memory_base", ctx.settings.train_sizes, TRAIN_BATCH, "figure 1's batches"),
         (

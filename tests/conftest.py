@@ -50,8 +50,8 @@ def executed_notebook(multi30k_dir, tmp_path_factory):
     """The committed notebook, every cell run with the smoke profile, saved to disk.
 
     tests/test_notebook.py checks its outputs and tests/test_html.py its HTML page;
-    both share this one run (about a minute on a CPU). Training runs go beside it,
-    in runs/.
+    both share this one run (about a minute on a CPU). The notebook trains its model
+    in memory and writes no run folder.
     """
     import nbformat
     from nbclient import NotebookClient
@@ -63,7 +63,6 @@ def executed_notebook(multi30k_dir, tmp_path_factory):
     with pytest.MonkeyPatch.context() as env:
         env.setenv("ANNOTATED_TRANSFORMER_PROFILE", "smoke")
         env.setenv(tat.DATA_ENV, str(multi30k_dir))
-        env.setenv("ANNOTATED_TRANSFORMER_RUNS", str(folder / "runs"))
         client = NotebookClient(
             notebook,
             timeout=600,

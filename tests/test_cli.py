@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import the_annotated_transformer as tat
+from workshop import cli, figures, runs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = REPO_ROOT / "the_annotated_transformer.py"
@@ -102,18 +103,18 @@ def assert_not_blank(pixels, name):
 def figures_dir(tmp_path_factory):
     """Every chart of the book, written once through `main`."""
     out = tmp_path_factory.mktemp("figures")
-    assert tat.main(["figures", "--out", str(out)]) == 0
+    assert cli.main(["figures", "--out", str(out)]) == 0
     return out
 
 
 def test_figures_command_writes_one_png_per_book_chart(figures_dir):
-    names = set(tat.book_charts()) | set(tat.book_diagrams())
+    names = set(figures.book_charts()) | set(figures.book_diagrams())
     assert len(names) >= 9
     assert {p.name for p in figures_dir.iterdir()} == {f"{n}.png" for n in names}
 
 
 def test_every_figure_is_a_valid_non_blank_png(figures_dir):
-    for name in [*tat.book_charts(), *tat.book_diagrams()]:
+    for name in [*figures.book_charts(), *figures.book_diagrams()]:
         path = figures_dir / f"{name}.png"
         assert path.stat().st_size > 5_000, name
         pixels = decode_png(path)
@@ -129,7 +130,7 @@ def test_diagrams_are_svg_with_the_blocks_they_explain():
         "scaled_dot_product_attention": ["MatMul", "Scale", "Softmax over the keys"],
         "multi_head_attention": ["Concat the heads", "Scaled dot-product attention"],
     }
-    for name, draw in tat.book_diagrams().items():
+    for name, draw in figures.book_diagrams().items():
         svg = draw()
         root = ET.fromstring(svg)  # well-formed XML
         text = " ".join(
@@ -149,7 +150,7 @@ def test_figures_command_with_an_unknown_name_exits_2_and_writes_nothing(
     tmp_path, capsys
 ):
     out = tmp_path / "figures"
-    assert tat.main(["figures", "--out", str(out), "no_such_chart"]) == 2
+    assert cli.main(["figures", "--out", str(out), "no_such_chart"]) == 2
     err = capsys.readouterr().err
     assert "no_such_chart" in err and "unknown" in err
     assert "learning_rate" in err  # it lists the names to choose from
@@ -200,12 +201,12 @@ def test_more_processes_than_this_machine_has_exits_2_saying_how_many_it_has(
 
 def tiny_checkpoint():
     """A checkpoint as `train` writes it, of a tiny untrained model (no data)."""
-    config = tat.TrainConfig.from_profile("smoke")
+    config = runs.RunConfig.from_profile("smoke")
     itos = [*tat.SPECIALS, "ein", "hund", "a", "dog"]
     torch.manual_seed(0)
     model = config.make_model(len(itos), len(itos))
     return {
-        "model": tat._weights_only(model.state_dict()),
+        "model": runs._weights_only(model.state_dict()),
         "config": config.to_dict(),
         "vocab_src": itos,
         "vocab_tgt": itos,
@@ -275,14 +276,14 @@ def test_an_unexpected_failure_is_one_line_that_says_how_to_see_the_traceback(
     def broken(args):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(tat, "_run_command", broken)
-    assert tat.main(["figures"]) == 2
+    monkeypatch.setattr(cli, "_run_command", broken)
+    assert cli.main(["figures"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "KeyError" in err[0]
     assert "ANNOTATED_TRANSFORMER_DEBUG=1" in err[0]
     monkeypatch.setenv("ANNOTATED_TRANSFORMER_DEBUG", "1")
     with pytest.raises(KeyError):
-        tat.main(["figures"])
+        cli.main(["figures"])
 
 
 def test_help_lists_the_copy_and_figures_commands():

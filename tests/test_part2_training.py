@@ -609,7 +609,11 @@ def test_data_gen_is_reproducible_with_a_seeded_generator():
 
 
 class ScriptedModel(nn.Module):
-    """A stand-in model whose next token at each step is read from `script`."""
+    """A stand-in model whose next token at each step is read from `script`.
+
+    It has only encode, decode and a generator, no decoder layers: greedy_decode
+    without a cache (its default) must need no more.
+    """
 
     def __init__(self, script, vocab=VOCAB):
         super().__init__()
@@ -642,7 +646,6 @@ def test_greedy_decode_stops_each_row_at_its_end_symbol_and_pads_after_it():
         1,
         end_symbol=end,
         pad_symbol=pad,
-        use_cache=False,  # the stand-in has no decoder layers to cache
     )
     assert out.tolist() == [[1, 5, end, pad, pad], [1, 4, 6, 8, end]]
     assert model.decode_calls == 4  # stopped as soon as every row had ended
@@ -652,9 +655,7 @@ def test_greedy_decode_pads_with_the_end_symbol_by_default():
     end = 3
     model = ScriptedModel([[end, 7, 7], [4, end, 9]])
     src = torch.ones(2, 4, dtype=torch.long)
-    out = tat.greedy_decode(
-        model, src, src.unsqueeze(1) > 0, 5, 1, end_symbol=end, use_cache=False
-    )
+    out = tat.greedy_decode(model, src, src.unsqueeze(1) > 0, 5, 1, end_symbol=end)
     assert out.tolist() == [[1, end, end], [1, 4, end]]
 
 
@@ -691,6 +692,18 @@ def test_greedy_decode_runs_without_dropout_and_restores_the_training_flag():
     model.eval()
     tat.greedy_decode(model, src, mask, 8, 1)
     assert not model.training
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_evaluating_runs_the_block_in_eval_mode_and_restores_the_mode_on_errors(
+    training,
+):
+    model = tiny_model(dropout=0.5).train(training)
+    with pytest.raises(KeyError), tat.evaluating(model) as inside:
+        assert inside is model
+        assert not any(m.training for m in model.modules())
+        raise KeyError("the block failed")
+    assert all(m.training is training for m in model.modules())
 
 
 def test_greedy_decode_keeps_the_original_positional_signature():
@@ -753,3 +766,38 @@ def test_copy_task_decodes_200_held_out_sequences_exactly(trained_copy_model):
     src, out = tat.copy_examples(model, config, n=200, seed=4321)
     wrong = [(s, o) for s, o in zip(src.tolist(), out.tolist(), strict=True) if s != o]
     assert not wrong, f"{len(wrong)} of 200 sequences not copied, e.g. {wrong[:3]}"
+
+
+def test_the_padded_batch_example_prints_its_source_and_combined_target_masks(capsys):
+    tat.example_padded_batch()
+    out = capsys.readouterr().out
+    assert "[[1, 1, 1, 1, 0, 0]]" in out  # sentence 2's source: two padding keys
+    # sentence 2's decoder self-attention: causal, and the padding key never visible
+    rows = ["[1, 0, 0, 0]", "[1, 1, 0, 0]", "[1, 1, 1, 0]", "[1, 1, 1, 0]]"]
+    tail = out[out.index("padding & subsequent") :]
+    assert [row in tail for row in rows] == [True] * 4
+    assert "ntokens (non-padding targets): 6" in out
+
+
+def test_decoding_step_by_step_prints_each_prefix_and_rebuilds_the_copy(
+    trained_copy_model, capsys
+):
+    model, _, config = trained_copy_model
+    src, _ = tat.copy_examples(model, config, n=1, seed=7)
+    ys = tat.print_decoding_steps(model, src)
+    lines = capsys.readouterr().out.splitlines()
+    assert torch.equal(ys, src)
+    steps = [line for line in lines if line.startswith("prefix")]
+    assert len(steps) == config.seq_len - 1
+    assert (
+        steps[0].startswith("prefix [1]") and f"next {src[0, 1].item():2d}" in steps[0]
+    )
+
+
+def test_the_layout_comparison_trains_both_layouts_alike_and_charts_them():
+    curves = tat.compare_layouts(epochs=2)
+    assert list(curves) == ["pre-norm", "post-norm"]
+    assert all(len(values) == 2 and values[1] < values[0] for values in curves.values())
+    assert curves["pre-norm"] != curves["post-norm"]  # two different models
+    chart = tat.chart_layouts(curves).to_dict()
+    assert chart["encoding"]["y"]["scale"]["type"] == "log"

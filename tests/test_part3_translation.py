@@ -11,6 +11,7 @@ download is served from 127.0.0.1.
 """
 
 import contextlib
+import dataclasses
 import functools
 import gzip
 import http.server
@@ -30,6 +31,7 @@ from conftest import data_dir_or_skip
 from torch import nn
 
 import the_annotated_transformer as tat
+from workshop import cli, multi30k, runs
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -121,7 +123,7 @@ def multi30k_server(multi30k_dir, tmp_path, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     folder = tmp_path / "served"
     folder.mkdir()
-    for name in tat.MULTI30K_SHA256:
+    for name in multi30k.MULTI30K_SHA256:
         shutil.copyfile(multi30k_dir / name, folder / name)
     handler = functools.partial(RecordingHandler, directory=str(folder))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -149,22 +151,24 @@ def test_download_fetches_the_six_files_and_verifies_their_digests(
     multi30k_server, multi30k_dir, tmp_path
 ):
     target = tmp_path / "data"
-    paths = tat.download_multi30k(target, base_url=multi30k_server.url, quiet=True)
-    assert sorted(p.name for p in paths) == sorted(tat.MULTI30K_SHA256)
-    assert names_in(target) == sorted(tat.MULTI30K_SHA256)  # no temporary files left
-    for name, digest in tat.MULTI30K_SHA256.items():
+    paths = multi30k.download_multi30k(target, base_url=multi30k_server.url, quiet=True)
+    assert sorted(p.name for p in paths) == sorted(multi30k.MULTI30K_SHA256)
+    assert names_in(target) == sorted(
+        multi30k.MULTI30K_SHA256
+    )  # no temporary files left
+    for name, digest in multi30k.MULTI30K_SHA256.items():
         assert (target / name).read_bytes() == (multi30k_dir / name).read_bytes()
-        assert tat.sha256_of(target / name) == digest
-    assert sorted(multi30k_server.requested) == sorted(tat.MULTI30K_SHA256)
+        assert multi30k.sha256_of(target / name) == digest
+    assert sorted(multi30k_server.requested) == sorted(multi30k.MULTI30K_SHA256)
 
 
 def test_download_again_reuses_verified_files_without_asking_the_server(
     multi30k_server, tmp_path
 ):
     target = tmp_path / "data"
-    tat.download_multi30k(target, base_url=multi30k_server.url, quiet=True)
+    multi30k.download_multi30k(target, base_url=multi30k_server.url, quiet=True)
     assert len(multi30k_server.requested) == 6
-    tat.download_multi30k(target, base_url=multi30k_server.url, quiet=True)
+    multi30k.download_multi30k(target, base_url=multi30k_server.url, quiet=True)
     assert len(multi30k_server.requested) == 6
 
 
@@ -172,13 +176,13 @@ def test_download_fetches_again_only_a_local_file_that_fails_its_digest(
     multi30k_server, tmp_path
 ):
     target = tmp_path / "data"
-    tat.download_multi30k(target, base_url=multi30k_server.url, quiet=True)
+    multi30k.download_multi30k(target, base_url=multi30k_server.url, quiet=True)
     damaged = target / "val.de.gz"
     damaged.write_bytes(damaged.read_bytes()[:-10])
     multi30k_server.requested.clear()
-    tat.download_multi30k(target, base_url=multi30k_server.url, quiet=True)
+    multi30k.download_multi30k(target, base_url=multi30k_server.url, quiet=True)
     assert multi30k_server.requested == ["val.de.gz"]
-    assert tat.sha256_of(damaged) == tat.MULTI30K_SHA256["val.de.gz"]
+    assert multi30k.sha256_of(damaged) == multi30k.MULTI30K_SHA256["val.de.gz"]
 
 
 def test_download_with_a_wrong_digest_raises_and_leaves_nothing_for_that_file(
@@ -188,7 +192,7 @@ def test_download_with_a_wrong_digest_raises_and_leaves_nothing_for_that_file(
     served.write_bytes(b"corrupted" + served.read_bytes()[9:])
     target = tmp_path / "data"
     with pytest.raises(tat.DataError, match=r"val\.en\.gz") as error:
-        tat.download_multi30k(target, base_url=multi30k_server.url, quiet=True)
+        multi30k.download_multi30k(target, base_url=multi30k_server.url, quiet=True)
     assert "SHA-256" in str(error.value)
     assert "val.en.gz" in multi30k_server.requested
     assert not [name for name in names_in(target) if "val.en.gz" in name]
@@ -200,7 +204,7 @@ def test_download_of_a_file_the_server_does_not_have_names_the_file(
     (multi30k_server.folder / "test_2016_flickr.en.gz").unlink()
     target = tmp_path / "data"
     with pytest.raises(tat.DataError, match=r"test_2016_flickr\.en\.gz") as error:
-        tat.download_multi30k(target, base_url=multi30k_server.url, quiet=True)
+        multi30k.download_multi30k(target, base_url=multi30k_server.url, quiet=True)
     assert "404" in str(error.value)
     assert not [n for n in names_in(target) if "test_2016_flickr.en.gz" in n]
 
@@ -208,11 +212,11 @@ def test_download_of_a_file_the_server_does_not_have_names_the_file(
 def test_download_command_fetches_the_files_and_returns_0(
     multi30k_server, tmp_path, monkeypatch, capsys
 ):
-    local = functools.partial(tat.download_multi30k, base_url=multi30k_server.url)
-    monkeypatch.setattr(tat, "download_multi30k", local)
+    local = functools.partial(multi30k.download_multi30k, base_url=multi30k_server.url)
+    monkeypatch.setattr(cli, "download_multi30k", local)
     target = tmp_path / "data"
-    assert tat.main(["download", "--data-dir", str(target)]) == 0
-    assert names_in(target) == sorted(tat.MULTI30K_SHA256)
+    assert cli.main(["download", "--data-dir", str(target)]) == 0
+    assert names_in(target) == sorted(multi30k.MULTI30K_SHA256)
     assert "verified" in capsys.readouterr().out
 
 
@@ -220,9 +224,9 @@ def test_download_command_returns_2_naming_a_file_it_could_not_fetch(
     multi30k_server, tmp_path, monkeypatch, capsys
 ):
     (multi30k_server.folder / "train.en.gz").unlink()
-    local = functools.partial(tat.download_multi30k, base_url=multi30k_server.url)
-    monkeypatch.setattr(tat, "download_multi30k", local)
-    assert tat.main(["download", "--data-dir", str(tmp_path / "data")]) == 2
+    local = functools.partial(multi30k.download_multi30k, base_url=multi30k_server.url)
+    monkeypatch.setattr(cli, "download_multi30k", local)
+    assert cli.main(["download", "--data-dir", str(tmp_path / "data")]) == 2
     assert "train.en.gz" in capsys.readouterr().err
 
 
@@ -230,10 +234,10 @@ def test_download_command_cut_off_mid_file_exits_2_in_one_line_and_keeps_nothing
     multi30k_server, tmp_path, monkeypatch, capsys
 ):
     multi30k_server.cut.add("train.de.gz")
-    local = functools.partial(tat.download_multi30k, base_url=multi30k_server.url)
-    monkeypatch.setattr(tat, "download_multi30k", local)
+    local = functools.partial(multi30k.download_multi30k, base_url=multi30k_server.url)
+    monkeypatch.setattr(cli, "download_multi30k", local)
     target = tmp_path / "data"
-    assert tat.main(["download", "--data-dir", str(target)]) == 2
+    assert cli.main(["download", "--data-dir", str(target)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "train.de.gz" in err[0]
     assert "the connection closed after" in err[0]
@@ -258,20 +262,71 @@ def test_read_split_pairs_each_german_line_with_its_english_line(train_pairs):
     assert train_pairs[0] == FIRST_TRAIN_PAIR
 
 
-def test_read_split_of_a_missing_file_names_it_and_says_how_to_download(tmp_path):
+READERS = pytest.mark.parametrize(
+    "read_split",
+    [tat.read_split, multi30k.read_split],
+    ids=["book's read_split", "multi30k.read_split"],
+)
+
+
+@READERS
+def test_read_split_of_a_missing_file_names_it_and_says_how_to_download(
+    read_split, tmp_path
+):
     with pytest.raises(tat.DataError, match=r"train\.de\.gz") as error:
-        tat.read_split(tmp_path, "train")
+        read_split(tmp_path, "train")
     assert "download" in str(error.value)
 
 
+@READERS
 def test_read_split_rejects_a_truncated_copy_of_a_published_file(
-    multi30k_dir, tmp_path
+    read_split, multi30k_dir, tmp_path
 ):
     whole = (multi30k_dir / "val.de.gz").read_bytes()
     (tmp_path / "val.de.gz").write_bytes(whole[: len(whole) // 2])
     shutil.copyfile(multi30k_dir / "val.en.gz", tmp_path / "val.en.gz")
     with pytest.raises(tat.DataError, match=r"val\.de\.gz"):
-        tat.read_split(tmp_path, "val")
+        read_split(tmp_path, "val")
+
+
+def recompressed(source, target):
+    """Write `source`'s text to `target` as another gzip stream: the same lines,
+    other bytes (so another SHA-256)."""
+    with gzip.open(source, "rb") as f:
+        text = f.read()
+    with gzip.GzipFile(target, "wb", compresslevel=1, mtime=12345) as f:
+        f.write(text)
+    assert target.read_bytes() != source.read_bytes()
+
+
+def test_only_the_workshop_reader_refuses_a_file_whose_digest_differs(
+    multi30k_dir, tmp_path
+):
+    recompressed(multi30k_dir / "val.de.gz", tmp_path / "val.de.gz")
+    shutil.copyfile(multi30k_dir / "val.en.gz", tmp_path / "val.en.gz")
+    # The book reads what the file says; the digest is the workshop's check.
+    assert tat.read_split(tmp_path, "val") == tat.read_split(multi30k_dir, "val")
+    for check in (multi30k.verify_split, multi30k.read_split):
+        with pytest.raises(tat.DataError, match="SHA-256") as error:
+            check(tmp_path, "val")
+        assert "val.de.gz" in str(error.value) and "download" in str(error.value)
+    multi30k.verify_split(multi30k_dir, "val")  # the published files pass
+
+
+def test_verify_split_passes_a_split_without_a_published_digest(tmp_path):
+    write_lines_gz(tmp_path / "mine.de.gz", ["Ein Hund."])
+    write_lines_gz(tmp_path / "mine.en.gz", ["A dog."])
+    multi30k.verify_split(tmp_path, "mine")
+    assert multi30k.read_split(tmp_path, "mine") == [("Ein Hund.", "A dog.")]
+
+
+def test_a_run_checks_the_digests_before_reading_the_data(multi30k_dir, tmp_path):
+    recompressed(multi30k_dir / "train.de.gz", tmp_path / "train.de.gz")
+    for name in ("train.en.gz", "val.de.gz", "val.en.gz"):
+        shutil.copyfile(multi30k_dir / name, tmp_path / name)
+    config = runs.RunConfig.from_profile("smoke")
+    with pytest.raises(tat.DataError, match=r"train\.de\.gz .*SHA-256"):
+        runs.prepare_run_data(config, tmp_path)
 
 
 def test_read_split_rejects_a_damaged_gzip_of_a_split_without_a_digest(tmp_path):
@@ -292,10 +347,11 @@ def test_read_split_of_sides_with_different_line_counts_reports_both_counts(tmp_
     assert "has 2" in str(error.value)
 
 
-def test_read_split_reads_an_aligned_split_of_any_name(tmp_path):
+@READERS
+def test_read_split_reads_an_aligned_split_of_any_name(read_split, tmp_path):
     write_lines_gz(tmp_path / "mine.de.gz", ["Zwei Männer.", "Eine Frau läuft."])
     write_lines_gz(tmp_path / "mine.en.gz", ["Two men.", "A woman runs."])
-    assert tat.read_split(tmp_path, "mine") == [
+    assert read_split(tmp_path, "mine") == [
         ("Zwei Männer.", "Two men."),
         ("Eine Frau läuft.", "A woman runs."),
     ]
@@ -387,9 +443,9 @@ def test_vocab_rejects_a_list_without_the_specials_or_with_a_repeated_token():
 def test_vocab_round_trips_through_a_json_file(tmp_path):
     vocab = tat.Vocab.build([["Männer", "Ufer", "Männer", "Ufer", "."]] * 2)
     path = tmp_path / "vocab.json"
-    vocab.save(path)
+    runs.save_vocab(vocab, path)
     assert json.loads(path.read_text(encoding="utf-8")) == {"itos": vocab.itos}
-    loaded = tat.Vocab.load(path)
+    loaded = runs.load_vocab(path)
     assert loaded.get_itos() == vocab.get_itos()
     assert loaded.get_stoi() == vocab.get_stoi()
     assert names_in(tmp_path) == ["vocab.json"]  # no temporary file left
@@ -408,12 +464,12 @@ def test_loading_a_file_that_is_not_a_saved_vocab_raises_data_error(tmp_path, te
     path = tmp_path / "vocab.json"
     path.write_text(text, encoding="utf-8")
     with pytest.raises(tat.DataError, match="vocab.json"):
-        tat.Vocab.load(path)
+        runs.load_vocab(path)
 
 
 def test_loading_a_missing_vocab_file_raises_data_error(tmp_path):
     with pytest.raises(tat.DataError, match="nowhere.json"):
-        tat.Vocab.load(tmp_path / "nowhere.json")
+        runs.load_vocab(tmp_path / "nowhere.json")
 
 
 def test_vocabulary_holds_exactly_the_training_words_seen_at_least_twice(
@@ -630,14 +686,14 @@ def test_prepare_data_builds_vocabularies_from_the_sliced_train_split_for_any_sp
 
 
 def test_from_profile_applies_overrides_over_the_profile():
-    config = tat.TrainConfig.from_profile("smoke", epochs=3, max_train_pairs=300)
+    config = runs.RunConfig.from_profile("smoke", epochs=3, max_train_pairs=300)
     assert (config.profile, config.N, config.d_model) == ("smoke", 1, 32)
     assert (config.epochs, config.max_train_pairs) == (3, 300)
-    assert tat.TrainConfig.from_dict(config.to_dict()) == config
+    assert runs.RunConfig.from_dict(config.to_dict()) == config
 
 
 def test_base_profile_is_the_papers_base_model():
-    config = tat.TrainConfig.from_profile("base")
+    config = runs.RunConfig.from_profile("base")
     assert (config.N, config.d_model, config.d_ff, config.h) == (6, 512, 2048, 8)
     assert config.dropout == 0.1 and config.label_smoothing == 0.1
 
@@ -654,12 +710,12 @@ def test_base_profile_is_the_papers_base_model():
 )
 def test_train_config_rejects_bad_settings_with_a_clear_message(overrides, message):
     with pytest.raises(ValueError, match=message):
-        tat.TrainConfig.from_profile("smoke", **overrides)
+        runs.RunConfig.from_profile("smoke", **overrides)
 
 
 def test_from_profile_rejects_an_unknown_profile_listing_the_known_ones():
     with pytest.raises(ValueError, match="smoke"):
-        tat.TrainConfig.from_profile("huge")
+        runs.RunConfig.from_profile("huge")
 
 
 # ---------------------------------------------------------------------------
@@ -669,19 +725,19 @@ def test_from_profile_rejects_an_unknown_profile_listing_the_known_ones():
 def smoke_config(**overrides):
     """The smoke profile on 300 pairs, small batches, two epochs."""
     settings = dict(max_train_pairs=300, epochs=2, max_tokens=300, keep_checkpoints=1)
-    return tat.TrainConfig.from_profile("smoke", **{**settings, **overrides})
+    return runs.RunConfig.from_profile("smoke", **{**settings, **overrides})
 
 
 @pytest.fixture(scope="module")
 def smoke_run(multi30k_dir, tmp_path_factory):
     """A two-epoch smoke-profile run, uninterrupted."""
     out = tmp_path_factory.mktemp("smoke_run")
-    history = tat.train_model(smoke_config(), multi30k_dir, out, quiet=True)
+    history = runs.train_model(smoke_config(), multi30k_dir, out, quiet=True)
     return SimpleNamespace(out=out, history=history)
 
 
 def model_weights(path):
-    return tat.load_checkpoint(path)["model"]
+    return runs.load_checkpoint(path)["model"]
 
 
 def test_training_saves_last_and_the_newest_epoch_checkpoints(smoke_run):
@@ -691,13 +747,13 @@ def test_training_saves_last_and_the_newest_epoch_checkpoints(smoke_run):
         "vocab_src.json",
         "vocab_tgt.json",
     ]
-    last = tat.load_checkpoint(smoke_run.out / "last.pt")
+    last = runs.load_checkpoint(smoke_run.out / "last.pt")
     assert last["epoch"] == 1
     assert last["config"] == smoke_config().to_dict()
     assert {"optimizer", "scheduler", "train_state", "history"} <= set(last)
     assert last["history"] == smoke_run.history
     assert [r["epoch"] for r in smoke_run.history] == [1, 2]
-    vocab_tgt = tat.Vocab.load(smoke_run.out / "vocab_tgt.json")
+    vocab_tgt = runs.load_vocab(smoke_run.out / "vocab_tgt.json")
     assert vocab_tgt.get_itos() == last["vocab_tgt"]
 
 
@@ -705,21 +761,21 @@ def test_time_limit_stops_before_an_epoch_that_would_end_too_late_and_says_so(
     multi30k_dir, tmp_path, capsys
 ):
     config = smoke_config(epochs=3, time_limit=1e-6)  # minutes: one epoch is longer
-    history = tat.train_model(config, multi30k_dir, tmp_path)
+    history = runs.train_model(config, multi30k_dir, tmp_path)
     assert [r["epoch"] for r in history] == [1]  # the first epoch always runs
     assert "stopped after 1 of the 3 epochs" in capsys.readouterr().out
-    last = tat.load_checkpoint(tmp_path / "last.pt")
+    last = runs.load_checkpoint(tmp_path / "last.pt")
     assert last["epoch"] == 0 and "stopped after 1 of the 3 epochs" in last["stopped"]
 
 
 def test_a_run_within_its_time_limit_trains_its_whole_budget_unmarked(smoke_run):
     assert len(smoke_run.history) == smoke_config().epochs
-    assert "stopped" not in tat.load_checkpoint(smoke_run.out / "last.pt")
+    assert "stopped" not in runs.load_checkpoint(smoke_run.out / "last.pt")
 
 
 def test_an_epoch_checkpoint_rebuilds_the_trained_model(smoke_run):
-    model, vocab_src, vocab_tgt, config = tat.model_from_checkpoint(
-        tat.load_checkpoint(smoke_run.out / "epoch_002.pt")
+    model, vocab_src, vocab_tgt, config = runs.model_from_checkpoint(
+        runs.load_checkpoint(smoke_run.out / "epoch_002.pt")
     )
     assert config == smoke_config()
     assert not model.training
@@ -733,10 +789,10 @@ def test_an_epoch_checkpoint_rebuilds_the_trained_model(smoke_run):
 def test_a_run_resumed_after_epoch_1_ends_where_an_uninterrupted_run_ends(
     smoke_run, multi30k_dir, tmp_path
 ):
-    first = tat.train_model(smoke_config(epochs=1), multi30k_dir, tmp_path, quiet=True)
+    first = runs.train_model(smoke_config(epochs=1), multi30k_dir, tmp_path, quiet=True)
     assert len(first) == 1
-    assert tat.load_checkpoint(tmp_path / "last.pt")["epoch"] == 0
-    resumed = tat.train_model(
+    assert runs.load_checkpoint(tmp_path / "last.pt")["epoch"] == 0
+    resumed = runs.train_model(
         smoke_config(epochs=2), multi30k_dir, tmp_path, resume=True, quiet=True
     )
     assert [r["epoch"] for r in resumed] == [1, 2]
@@ -746,8 +802,8 @@ def test_a_run_resumed_after_epoch_1_ends_where_an_uninterrupted_run_ends(
         rtol=0,
         atol=1e-6,
     )
-    ours = tat.load_checkpoint(tmp_path / "last.pt")
-    theirs = tat.load_checkpoint(smoke_run.out / "last.pt")
+    ours = runs.load_checkpoint(tmp_path / "last.pt")
+    theirs = runs.load_checkpoint(smoke_run.out / "last.pt")
     assert ours["train_state"] == theirs["train_state"]
     assert ours["config"]["epochs"] == 2
     assert resumed[1]["val_nll"] == pytest.approx(smoke_run.history[1]["val_nll"])
@@ -758,7 +814,7 @@ def test_a_checkpoint_write_that_dies_part_way_keeps_the_previous_one(
 ):
     path = tmp_path / "last.pt"
     before = {"model": {"w": torch.arange(6.0)}, "epoch": 0}
-    tat.save_checkpoint(path, before)
+    runs.save_checkpoint(path, before)
 
     def dies_part_way(obj, f, *args, **kwargs):
         f.write(b"PK\x03\x04 the first bytes of a checkpoint")
@@ -766,9 +822,9 @@ def test_a_checkpoint_write_that_dies_part_way_keeps_the_previous_one(
 
     monkeypatch.setattr(torch, "save", dies_part_way)
     with pytest.raises(OSError, match="No space"):
-        tat.save_checkpoint(path, {"model": {"w": torch.zeros(6)}, "epoch": 1})
+        runs.save_checkpoint(path, {"model": {"w": torch.zeros(6)}, "epoch": 1})
     monkeypatch.undo()
-    after = tat.load_checkpoint(path)
+    after = runs.load_checkpoint(path)
     assert after["epoch"] == 0
     assert torch.equal(after["model"]["w"], before["model"]["w"])
     assert names_in(tmp_path) == ["last.pt"]
@@ -789,7 +845,7 @@ def test_load_checkpoint_refuses_a_file_holding_arbitrary_python_objects(tmp_pat
     path = tmp_path / "evil.pt"
     torch.save({"model": {}, "payload": RunsCodeWhenUnpickled(marker)}, path)
     with pytest.raises(tat.DataError, match="evil.pt"):
-        tat.load_checkpoint(path)
+        runs.load_checkpoint(path)
     assert not marker.exists()
     # The control: an unrestricted load would have run the payload.
     torch.load(path, weights_only=False)["payload"].close()
@@ -800,12 +856,12 @@ def test_load_checkpoint_of_a_truncated_file_raises_data_error(smoke_run, tmp_pa
     whole = (smoke_run.out / "last.pt").read_bytes()
     (tmp_path / "last.pt").write_bytes(whole[: len(whole) // 2])
     with pytest.raises(tat.DataError, match="not a readable checkpoint"):
-        tat.load_checkpoint(tmp_path / "last.pt")
+        runs.load_checkpoint(tmp_path / "last.pt")
 
 
 def test_load_checkpoint_of_a_missing_file_says_how_to_train_one(tmp_path):
     with pytest.raises(FileNotFoundError, match="train --data-dir"):
-        tat.load_checkpoint(tmp_path / "missing.pt")
+        runs.load_checkpoint(tmp_path / "missing.pt")
 
 
 # ---------------------------------------------------------------------------
@@ -907,9 +963,9 @@ def test_train_model_in_two_processes_gives_each_its_share_of_the_batches(
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     config = smoke_config(epochs=1)
-    history = tat.train_model(config, multi30k_dir, tmp_path, nprocs=2, quiet=True)
+    history = runs.train_model(config, multi30k_dir, tmp_path, nprocs=2, quiet=True)
     assert [r["epoch"] for r in history] == [1]
-    state = tat.load_checkpoint(tmp_path / "last.pt")["train_state"]
+    state = runs.load_checkpoint(tmp_path / "last.pt")["train_state"]
     data = tat.prepare_data(multi30k_dir, splits=("train",), max_train_pairs=300)
     rank_0 = list(
         tat.TokenBudgetBatchSampler(
@@ -987,18 +1043,41 @@ def untrained_val_nll(config, data):
 def test_quick_profile_lowers_the_validation_nll_by_a_third_in_a_few_hundred_steps(
     multi30k_dir, tmp_path
 ):
-    config = tat.TrainConfig.from_profile(
+    config = runs.RunConfig.from_profile(
         "quick", max_train_pairs=1500, epochs=4, max_tokens=400
     )
     data = tat.prepare_data(multi30k_dir, max_train_pairs=1500)
     before = untrained_val_nll(config, data)
     assert before == pytest.approx(math.log(len(data.vocab_tgt)), abs=1.0)
-    history = tat.train_model(config, multi30k_dir, tmp_path, quiet=True)
-    steps = tat.load_checkpoint(tmp_path / "last.pt")["train_state"]["accum_step"]
+    history = runs.train_model(config, multi30k_dir, tmp_path, quiet=True)
+    steps = runs.load_checkpoint(tmp_path / "last.pt")["train_state"]["accum_step"]
     assert steps >= 200
     after = history[-1]["val_nll"]
     assert after < before * 2 / 3, (before, [r["val_nll"] for r in history])
     assert history[-1]["val_ppl"] == pytest.approx(math.exp(after))
+
+
+def test_a_run_without_dropout_trains_exactly_what_the_books_recipe_trains(
+    multi30k_dir, tmp_path
+):
+    """runs.train_model is tat.train_translator plus what a long run needs, and the
+    CPU tricks of workshop.fast. Their loss has the book's gradient (-q) and, with
+    dropout off, their dropout draws nothing: both runs end with the same weights."""
+    config = smoke_config(epochs=1, dropout=0.0)
+    history = runs.train_model(config, multi30k_dir, tmp_path, quiet=True)
+    book_config = tat.TrainConfig(
+        **{f.name: getattr(config, f.name) for f in dataclasses.fields(tat.TrainConfig)}
+    )
+    data = tat.prepare_data(multi30k_dir, max_train_pairs=config.max_train_pairs)
+    model, book_history = tat.train_translator(
+        book_config, data, device="cpu", quiet=True
+    )
+    weights = model.state_dict()
+    for name, tensor in model_weights(tmp_path / "last.pt").items():
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-6, msg=name)
+    assert [r["epoch"] for r in book_history] == [r["epoch"] for r in history] == [1]
+    for key in ("train_loss_smoothed", "val_nll"):  # summed in other orders
+        assert book_history[0][key] == pytest.approx(history[0][key], rel=1e-5)
 
 
 # ---------------------------------------------------------------------------
@@ -1016,7 +1095,7 @@ def test_detokenize_joins_tokens_with_english_spacing():
 
 @pytest.fixture(scope="module")
 def translator(smoke_run):
-    return tat.Translator.from_checkpoint(smoke_run.out / "last.pt", device="cpu")
+    return runs.load_translator(smoke_run.out / "last.pt", device="cpu")
 
 
 def test_translate_returns_one_english_string_per_german_sentence(translator):
@@ -1051,13 +1130,13 @@ def test_translate_command_names_a_sentence_longer_than_the_models_positions(
         h=config.h,
         max_len=30,
     )
-    short.load_state_dict(tat._weights_only(translator.model.state_dict()))
+    short.load_state_dict(runs._weights_only(translator.model.state_dict()))
     limited = tat.Translator(
         short.eval(), translator.vocab_src, translator.vocab_tgt, config
     )
-    monkeypatch.setattr(tat.Translator, "from_checkpoint", lambda path: limited)
+    monkeypatch.setattr(cli, "load_translator", lambda path, device=None: limited)
     long = " ".join(["Hund"] * 40)  # 42 ids with <s> and </s>
-    assert tat.main(["translate", "--checkpoint", "x.pt", "Ein Hund.", long]) == 0
+    assert cli.main(["translate", "--checkpoint", "x.pt", "Ein Hund.", long]) == 0
     out, err = capsys.readouterr()
     assert len(out.splitlines()) == 2
     assert err.strip() == (
@@ -1066,11 +1145,29 @@ def test_translate_command_names_a_sentence_longer_than_the_models_positions(
     )
 
 
-def test_translate_ids_stops_each_sentence_at_its_end_symbol(translator):
+def test_decode_ids_stops_each_sentence_at_its_end_symbol(translator):
     src_ids = translator.encode(["Ein Hund läuft.", "Zwei Männer."])
-    for tokens in translator.translate_ids(src_ids, max_extra=5):
-        assert "</s>" not in tokens
-        assert len(tokens) <= max(len(ids) for ids in src_ids) + 5
+    longest = max(len(ids) for ids in src_ids)
+    for out in tat.decode_ids(translator.model, src_ids, max_extra=5):
+        assert tat.EOS not in out
+        assert len(out) <= longest + 5
+
+
+def test_decode_ids_passes_its_options_to_the_search_it_is_given(translator):
+    calls = []
+
+    def recording_beam_search(*args, **options):
+        calls.append(options)
+        return tat.beam_search(*args, **options)
+
+    src_ids = translator.encode(["Ein Hund läuft.", "Zwei Männer."])
+    found = tat.decode_ids(
+        translator.model, src_ids, decode=recording_beam_search, beam_size=2, alpha=1
+    )
+    assert [(c["beam_size"], c["alpha"], c["end_symbol"]) for c in calls] == [
+        (2, 1, tat.EOS)
+    ]
+    assert len(found) == 2 and all(tat.EOS not in ids for ids in found)
 
 
 def test_check_outputs_pairs_sources_references_and_translations(
@@ -1083,30 +1180,61 @@ def test_check_outputs_pairs_sources_references_and_translations(
     assert "Example 1" in printed and pairs[1][1] in printed
 
 
-def test_load_trained_model_reuses_the_checkpoint_in_its_folder(smoke_run):
-    translator = tat.load_trained_model(smoke_run.out)
-    weights = translator.model.state_dict()
-    for name, tensor in model_weights(smoke_run.out / "last.pt").items():
-        assert torch.equal(weights[name].cpu(), tensor), name
+@pytest.fixture
+def fresh_notebook_run():
+    """tat.notebook_run with its cache emptied before and after the test."""
+    tat.notebook_run.cache_clear()
+    yield tat.notebook_run
+    tat.notebook_run.cache_clear()
 
 
-def test_load_trained_model_without_a_model_or_data_says_what_to_set(
-    tmp_path, monkeypatch
+def test_notebook_run_trains_the_profile_in_memory_once_with_the_books_model(
+    fresh_notebook_run, multi30k_dir, tmp_path, monkeypatch, capsys
 ):
-    monkeypatch.delenv(tat.DATA_ENV, raising=False)
-    with pytest.raises(tat.DataError, match=tat.DATA_ENV):
-        tat.load_trained_model(tmp_path / "empty")
+    monkeypatch.setattr(tat, "PROFILE", "smoke")
+    monkeypatch.setenv(tat.DATA_ENV, str(multi30k_dir))
+    monkeypatch.chdir(tmp_path)
+    found = fresh_notebook_run()
+    translator, data_dir, history = found
+    assert data_dir == multi30k_dir
+    assert [set(r) for r in history] == [{"epoch", "train_loss_smoothed", "val_nll"}]
+    assert [r["epoch"] for r in history] == [1]  # the smoke profile's one epoch
+    assert "validation perplexity" in capsys.readouterr().out
+    assert translator.config == tat.TrainConfig(**tat.PROFILES["smoke"])
+    dropouts = [m for m in translator.model.modules() if isinstance(m, nn.Dropout)]
+    assert dropouts and all(type(m) is nn.Dropout for m in dropouts)
+    assert len(translator.translate(["Ein Hund läuft."])) == 1
+    assert fresh_notebook_run() is found  # later examples reuse the model
+    assert list(tmp_path.iterdir()) == []  # no checkpoint, no run folder
+
+
+@pytest.mark.parametrize("folder", [None, "empty"])
+def test_notebook_run_without_data_says_what_to_set_and_trains_nothing(
+    folder, fresh_notebook_run, tmp_path, monkeypatch, capsys
+):
+    if folder is None:
+        monkeypatch.delenv(tat.DATA_ENV, raising=False)
+    else:
+        monkeypatch.setenv(tat.DATA_ENV, str(tmp_path))
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("notebook_run trained without data")
+
+    monkeypatch.setattr(tat, "train_translator", no_training)
+    assert fresh_notebook_run() is None
+    said = capsys.readouterr().out
+    assert tat.DATA_ENV in said and "download --data-dir" in said
 
 
 def test_translate_command_prints_one_line_per_sentence(smoke_run, capsys):
     path = str(smoke_run.out / "last.pt")
-    assert tat.main(["translate", "--checkpoint", path, "Ein Hund läuft."]) == 0
+    assert cli.main(["translate", "--checkpoint", path, "Ein Hund läuft."]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 1
 
 
 def test_translate_command_with_a_missing_checkpoint_returns_2(tmp_path, capsys):
     path = tmp_path / "missing.pt"
-    assert tat.main(["translate", "--checkpoint", str(path), "Ein Hund."]) == 2
+    assert cli.main(["translate", "--checkpoint", str(path), "Ein Hund."]) == 2
     assert "missing.pt" in capsys.readouterr().err
 
 
@@ -1118,14 +1246,14 @@ def test_train_command_with_a_folder_without_data_names_the_missing_file(
     tmp_path, capsys
 ):
     argv = ["train", "--data-dir", str(tmp_path / "no_data"), "--out", str(tmp_path)]
-    assert tat.main(argv) == 2
+    assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "train.de.gz" in err and "download" in err
 
 
 def test_train_command_with_resume_but_no_last_checkpoint_returns_2(tmp_path, capsys):
     argv = ["train", "--data-dir", str(tmp_path), "--out", str(tmp_path), "--resume"]
-    assert tat.main(argv) == 2
+    assert cli.main(argv) == 2
     assert "last.pt" in capsys.readouterr().err
 
 
@@ -1134,8 +1262,8 @@ def test_train_command_trains_the_smoke_profile_and_saves_a_checkpoint(
 ):
     argv = ["train", "--data-dir", str(multi30k_dir), "--out", str(tmp_path)]
     argv += ["--profile", "smoke", "--epochs", "1", "--max-tokens", "800", "--quiet"]
-    assert tat.main(argv) == 0
-    last = tat.load_checkpoint(tmp_path / "last.pt")
+    assert cli.main(argv) == 0
+    last = runs.load_checkpoint(tmp_path / "last.pt")
     assert last["config"]["profile"] == "smoke"
     assert (last["config"]["epochs"], last["config"]["max_tokens"]) == (1, 800)
     assert [r["epoch"] for r in last["history"]] == [1]
@@ -1161,7 +1289,7 @@ def test_train_into_a_folder_holding_a_run_exits_2_and_leaves_the_run_alone(
     run = copy_of(smoke_run.out, tmp_path)
     before = {p.name: p.read_bytes() for p in run.iterdir()}
     argv = train_argv(multi30k_dir, run, "--profile", "smoke", "--epochs", "1")
-    assert tat.main(argv) == 2
+    assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert str(run) in err[0] and "--resume" in err[0] and "--out" in err[0]
@@ -1172,14 +1300,14 @@ def test_resume_takes_the_runs_settings_and_extends_only_its_epochs(
     smoke_run, multi30k_dir, tmp_path, capsys
 ):
     run = copy_of(smoke_run.out, tmp_path)
-    assert tat.main(train_argv(multi30k_dir, run, "--resume", "--epochs", "3")) == 0
+    assert cli.main(train_argv(multi30k_dir, run, "--resume", "--epochs", "3")) == 0
     printed = capsys.readouterr().out
     assert f"resuming {run / 'last.pt'} (profile smoke): 2 of 3 epochs done" in printed
-    last = tat.load_checkpoint(run / "last.pt")
+    last = runs.load_checkpoint(run / "last.pt")
     assert last["config"] == smoke_config(epochs=3).to_dict()  # not quick's settings
     assert [r["epoch"] for r in last["history"]] == [1, 2, 3]
     assert last["history"][:2] == smoke_run.history
-    assert tat.epoch_files(run) == [run / "epoch_003.pt"]  # keep_checkpoints=1
+    assert runs.epoch_files(run) == [run / "epoch_003.pt"]  # keep_checkpoints=1
 
 
 @pytest.mark.parametrize(
@@ -1197,7 +1325,7 @@ def test_resume_refuses_to_change_a_runs_settings_or_to_train_nothing(
 ):
     run = copy_of(smoke_run.out, tmp_path)
     before = (run / "last.pt").read_bytes()
-    assert tat.main(train_argv(multi30k_dir, run, "--resume", *more)) == 2
+    assert cli.main(train_argv(multi30k_dir, run, "--resume", *more)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expected in err[0], err
     assert (run / "last.pt").read_bytes() == before
@@ -1207,21 +1335,21 @@ def test_resume_counts_the_time_limit_from_the_time_the_run_has_spent(
     multi30k_dir, tmp_path, capsys
 ):
     config = smoke_config(epochs=1, time_limit=60.0)  # an hour: epoch 1 fits
-    tat.train_model(config, multi30k_dir, tmp_path, quiet=True)
-    last = tat.load_checkpoint(tmp_path / "last.pt")
+    runs.train_model(config, multi30k_dir, tmp_path, quiet=True)
+    last = runs.load_checkpoint(tmp_path / "last.pt")
     assert 0 < last["elapsed"] < 600  # measured: seconds, not an hour
-    tat.save_checkpoint(tmp_path / "last.pt", last | {"elapsed": 3600.0})  # spent
+    runs.save_checkpoint(tmp_path / "last.pt", last | {"elapsed": 3600.0})  # spent
     argv = train_argv(multi30k_dir, tmp_path, "--resume", "--epochs", "2")
-    assert tat.main(argv) == 0
+    assert cli.main(argv) == 0
     assert "stopped after 1 of the 2 epochs" in capsys.readouterr().out
-    again = tat.load_checkpoint(tmp_path / "last.pt")
+    again = runs.load_checkpoint(tmp_path / "last.pt")
     assert again["epoch"] == 0 and "stopped" in again["stopped"]
 
 
 def test_epoch_files_are_ordered_by_epoch_number_not_by_name(tmp_path):
     for name in ("epoch_1000.pt", "epoch_999.pt", "epoch_002.pt", "epoch_x.pt"):
         (tmp_path / name).write_bytes(b"")
-    assert [p.name for p in tat.epoch_files(tmp_path)] == [
+    assert [p.name for p in runs.epoch_files(tmp_path)] == [
         "epoch_002.pt",
         "epoch_999.pt",
         "epoch_1000.pt",
@@ -1233,10 +1361,10 @@ def test_epoch_files_are_ordered_by_epoch_number_not_by_name(tmp_path):
 
 
 def test_epoch_seeds_differ_by_rank_and_epoch_and_repeat_for_the_same_ones():
-    seeds = {tat.epoch_seed(0, e, r) for e in range(3) for r in range(4)}
+    seeds = {runs.epoch_seed(0, e, r) for e in range(3) for r in range(4)}
     assert len(seeds) == 12
-    assert tat.epoch_seed(0, 1, 1) == tat.epoch_seed(0, 1, 1)
-    assert tat.epoch_seed(1, 0, 0) != tat.epoch_seed(0, 1, 0)  # not seed + epoch
+    assert runs.epoch_seed(0, 1, 1) == runs.epoch_seed(0, 1, 1)
+    assert runs.epoch_seed(1, 0, 0) != runs.epoch_seed(0, 1, 0)  # not seed + epoch
 
 
 @pytest.mark.parametrize("n, replicas", [(5, 2), (7, 3), (9, 4), (2, 2)])
@@ -1267,9 +1395,9 @@ def test_two_processes_train_an_epoch_to_the_end_without_hanging(
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     config = smoke_config(epochs=1, **overrides)
-    history = tat.train_model(config, multi30k_dir, tmp_path, nprocs=2, quiet=True)
+    history = runs.train_model(config, multi30k_dir, tmp_path, nprocs=2, quiet=True)
     assert [r["epoch"] for r in history] == [1]
-    state = tat.load_checkpoint(tmp_path / "last.pt")["train_state"]
+    state = runs.load_checkpoint(tmp_path / "last.pt")["train_state"]
     data = tat.prepare_data(
         multi30k_dir, splits=("train",), max_train_pairs=config.max_train_pairs
     )
@@ -1293,8 +1421,8 @@ def test_two_processes_train_an_epoch_to_the_end_without_hanging(
 def test_bf16_is_used_only_where_a_measured_matmul_says_it_pays(
     speedup, expected, monkeypatch, capsys
 ):
-    monkeypatch.setattr(tat, "bf16_matmul_speedup", lambda device: speedup)
-    assert tat.amp_dtype_for(True, torch.device("cpu")) == expected
+    monkeypatch.setattr(runs, "bf16_matmul_speedup", lambda device: speedup)
+    assert runs.amp_dtype_for(True, torch.device("cpu")) == expected
     said = capsys.readouterr().out.strip().splitlines()
     if expected is None:
         assert len(said) == 1 and "--bf16 ignored" in said[0] and "0.03x" in said[0]
@@ -1306,8 +1434,8 @@ def test_bf16_not_asked_for_is_not_even_measured(monkeypatch):
     def never(device):
         raise AssertionError("measured without --bf16")
 
-    monkeypatch.setattr(tat, "bf16_matmul_speedup", never)
-    assert tat.amp_dtype_for(False, torch.device("cpu")) is None
+    monkeypatch.setattr(runs, "bf16_matmul_speedup", never)
+    assert runs.amp_dtype_for(False, torch.device("cpu")) is None
 
 
 def test_bf16_speedup_is_the_ratio_of_the_two_timed_products(monkeypatch):
@@ -1323,6 +1451,6 @@ def test_bf16_speedup_is_the_ratio_of_the_two_timed_products(monkeypatch):
         clock[0] += next(durations)
         return self
 
-    monkeypatch.setattr(tat.time, "perf_counter", fake_perf_counter)
+    monkeypatch.setattr(runs.time, "perf_counter", fake_perf_counter)
     monkeypatch.setattr(torch.Tensor, "__matmul__", fake_matmul)
-    assert tat.bf16_matmul_speedup("cpu", tokens=4, d_model=2) == pytest.approx(2 / 6)
+    assert runs.bf16_matmul_speedup("cpu", tokens=4, d_model=2) == pytest.approx(2 / 6)

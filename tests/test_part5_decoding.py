@@ -88,22 +88,18 @@ def step_log_probs(model, src, src_mask, ys, cache=None):
 def test_cached_and_uncached_greedy_decoding_choose_the_same_tokens(case):
     model, src, src_mask, start, end = case
     kwargs = dict(end_symbol=end, pad_symbol=2 if end is not None else None)
-    cached = tat.greedy_decode(
-        model, src, src_mask, 10, start, use_cache=True, **kwargs
-    )
-    plain = tat.greedy_decode(
-        model, src, src_mask, 10, start, use_cache=False, **kwargs
-    )
+    cached = tat.cached_greedy_decode(model, src, src_mask, 10, start, **kwargs)
+    plain = tat.greedy_decode(model, src, src_mask, 10, start, **kwargs)
     assert torch.equal(cached, plain)
 
 
 def test_cached_step_log_probabilities_equal_uncached_ones_to_float32_rounding(case):
     model, src, src_mask, start, end = case
-    ys = tat.greedy_decode(model, src, src_mask, 10, start, use_cache=False)
-    cache = tat.init_cache(model)
+    ys = tat.greedy_decode(model, src, src_mask, 10, start)
+    cache = tat.KVCache(model)
     cached = step_log_probs(model, src, src_mask, ys, cache)
     plain = step_log_probs(model, src, src_mask, ys)
-    assert tat.cache_length(cache) == ys.size(1) - 1
+    assert cache.length == ys.size(1) - 1
     tolerance = float32_tolerance(model, plain)
     torch.testing.assert_close(cached, plain, atol=tolerance, rtol=0)
 
@@ -118,7 +114,7 @@ def test_cached_and_uncached_beam_search_give_the_same_hypotheses_and_scores(cas
     )
     # A score sums at most 9 step log-probabilities (each within the step tolerance)
     # and divides the sum by a length penalty of at least 1.
-    ys = tat.greedy_decode(model, src, src_mask, 10, start, use_cache=False)
+    ys = tat.greedy_decode(model, src, src_mask, 10, start)
     tolerance = 9 * float32_tolerance(model, step_log_probs(model, src, src_mask, ys))
     for hyps_cached, hyps_plain in zip(cached, plain, strict=True):
         assert [ids for ids, _ in hyps_cached] == [ids for ids, _ in hyps_plain]
@@ -157,3 +153,34 @@ def test_beam_search_on_a_padded_batch_gives_each_sentence_what_it_gets_alone(
         assert [ids for ids, _ in batched[row]] == [ids for ids, _ in alone]
         for (_, a), (_, b) in zip(batched[row], alone, strict=True):
             assert a == pytest.approx(b, abs=tolerance)
+
+
+def test_a_reordered_cache_continues_the_rows_it_keeps(untrained_model):
+    """Beam search keeps, drops and repeats hypotheses; reorder does that to the
+    cache, and the next step matches decoding the chosen prefixes from scratch."""
+    model = untrained_model
+    src, src_mask = untrained_sources()
+    ys = tat.greedy_decode(model, src, src_mask, 6, 0)
+    rows = torch.tensor([4, 1, 1, 0])  # a reordering, a repeat, dropped rows
+    cache = tat.KVCache(model)
+    with torch.no_grad():
+        memory = model.encode(src, src_mask)
+        for t in range(1, ys.size(1)):
+            tat.decode_step(model, memory, src_mask, ys[:, :t], cache)
+        cache.reorder(rows)
+        memory, src_mask, ys = memory[rows], src_mask[rows], ys[rows]
+        longer = torch.cat([ys, ys[:, -1:]], dim=1)  # one more token per row
+        cached = tat.decode_step(model, memory, src_mask, longer, cache)
+        plain = tat.decode_step(model, memory, src_mask, longer)
+    assert cache.length == longer.size(1)
+    tolerance = float32_tolerance(model, plain)
+    torch.testing.assert_close(cached, plain, atol=tolerance, rtol=0)
+
+
+def test_time_decoding_steps_through_the_cache_it_is_given(untrained_model):
+    src, src_mask = untrained_sources()
+    with torch.no_grad():
+        memory = untrained_model.encode(src, src_mask)
+    cache = tat.KVCache(untrained_model)
+    seconds = tat.time_decoding(untrained_model, memory, src_mask, 5, cache)
+    assert seconds > 0 and cache.length == 5  # one position per generated token

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import the_annotated_transformer as tat
+from workshop import cli, results, runs
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -32,14 +33,14 @@ SENTENCE = "Ein Hund läuft im Schnee und ein Hund schläft."
 def trained_checkpoint(multi30k_dir, tmp_path_factory):
     """last.pt of a one-epoch smoke-profile run on 300 training pairs."""
     out = tmp_path_factory.mktemp("smoke")
-    config = tat.TrainConfig.from_profile("smoke", max_train_pairs=300)
-    tat.train_model(config, multi30k_dir, out, quiet=True)
+    config = runs.RunConfig.from_profile("smoke", max_train_pairs=300)
+    runs.train_model(config, multi30k_dir, out, quiet=True)
     return out / "last.pt"
 
 
 @pytest.fixture(scope="module")
 def translator(trained_checkpoint):
-    return tat.Translator.from_checkpoint(trained_checkpoint, device="cpu")
+    return runs.load_translator(trained_checkpoint, device="cpu")
 
 
 def write_split(folder, name, pairs):
@@ -60,7 +61,7 @@ def mini_split(multi30k_dir, tmp_path_factory):
 
 def tiny_checkpoint(path, seed, epoch=0, words=WORDS, **overrides):
     """Save a random smoke-sized model in the format of training's epoch_NNN.pt."""
-    config = tat.TrainConfig.from_profile("smoke", **overrides)
+    config = runs.RunConfig.from_profile("smoke", **overrides)
     vocab = list(tat.SPECIALS) + list(words)
     torch.manual_seed(seed)
     model = tat.make_model(
@@ -73,13 +74,13 @@ def tiny_checkpoint(path, seed, epoch=0, words=WORDS, **overrides):
         norm_first=config.norm_first,
     )
     state = {
-        "model": tat._weights_only(model.state_dict()),
+        "model": runs._weights_only(model.state_dict()),
         "config": config.to_dict(),
         "epoch": epoch,
         "vocab_src": vocab,
         "vocab_tgt": vocab,
     }
-    tat.save_checkpoint(path, state)
+    runs.save_checkpoint(path, state)
     return state
 
 
@@ -134,8 +135,8 @@ def test_average_checkpoints_saves_the_mean_in_the_epoch_checkpoint_format(tmp_p
     first = tiny_checkpoint(tmp_path / "epoch_004.pt", seed=1, epoch=3)
     second = tiny_checkpoint(tmp_path / "epoch_005.pt", seed=2, epoch=4)
     paths = [tmp_path / "epoch_004.pt", tmp_path / "epoch_005.pt"]
-    model = tat.average_checkpoints(paths, tmp_path / "average.pt")
-    saved = tat.load_checkpoint(tmp_path / "average.pt")
+    model = runs.average_checkpoints(paths, tmp_path / "average.pt")
+    saved = runs.load_checkpoint(tmp_path / "average.pt")
     assert saved["config"] == first["config"] and saved["epoch"] == 4
     assert saved["vocab_src"] == saved["vocab_tgt"] == first["vocab_src"]
     assert set(saved["model"]) == set(first["model"])  # no .pe tables stored
@@ -143,7 +144,7 @@ def test_average_checkpoints_saves_the_mean_in_the_epoch_checkpoint_format(tmp_p
         mean = (first["model"][name] + second["model"][name]) / 2
         torch.testing.assert_close(tensor, mean, rtol=0, atol=1e-7)
         assert torch.equal(model.state_dict()[name], tensor), name
-    rebuilt, *_ = tat.model_from_checkpoint(saved)
+    rebuilt, *_ = runs.model_from_checkpoint(saved)
     assert torch.equal(rebuilt.generator.proj.weight, model.generator.proj.weight)
     assert not list(tmp_path.glob(".*tmp*"))  # the atomic write left nothing behind
 
@@ -151,7 +152,7 @@ def test_average_checkpoints_saves_the_mean_in_the_epoch_checkpoint_format(tmp_p
 def test_average_checkpoints_accepts_a_run_resumed_with_more_epochs(tmp_path):
     tiny_checkpoint(tmp_path / "a.pt", seed=1, epochs=3)
     tiny_checkpoint(tmp_path / "b.pt", seed=2, epochs=5)
-    tat.average_checkpoints([tmp_path / "a.pt", tmp_path / "b.pt"], tmp_path / "m.pt")
+    runs.average_checkpoints([tmp_path / "a.pt", tmp_path / "b.pt"], tmp_path / "m.pt")
     assert (tmp_path / "m.pt").is_file()
 
 
@@ -159,7 +160,7 @@ def test_average_checkpoints_refuses_checkpoints_with_different_settings(tmp_pat
     tiny_checkpoint(tmp_path / "a.pt", seed=1)
     tiny_checkpoint(tmp_path / "b.pt", seed=2, d_ff=128)
     with pytest.raises(tat.DataError, match=r"d_ff=64 vs 128"):
-        tat.average_checkpoints(
+        runs.average_checkpoints(
             [tmp_path / "a.pt", tmp_path / "b.pt"], tmp_path / "m.pt"
         )
     assert not (tmp_path / "m.pt").exists()
@@ -169,7 +170,7 @@ def test_average_checkpoints_refuses_checkpoints_with_different_vocabularies(tmp
     tiny_checkpoint(tmp_path / "a.pt", seed=1)
     tiny_checkpoint(tmp_path / "b.pt", seed=2, words=["a", "cat", "runs", "."])
     with pytest.raises(tat.DataError, match="vocab_src vocabularies"):
-        tat.average_checkpoints(
+        runs.average_checkpoints(
             [tmp_path / "a.pt", tmp_path / "b.pt"], tmp_path / "m.pt"
         )
 
@@ -178,9 +179,9 @@ def test_average_command_writes_the_averaged_checkpoint_and_returns_0(tmp_path, 
     tiny_checkpoint(tmp_path / "a.pt", seed=1)
     tiny_checkpoint(tmp_path / "b.pt", seed=2)
     argv = ["average", str(tmp_path / "a.pt"), str(tmp_path / "b.pt")]
-    assert tat.main([*argv, "--out", str(tmp_path / "m.pt")]) == 0
+    assert cli.main([*argv, "--out", str(tmp_path / "m.pt")]) == 0
     assert "averaged 2 checkpoints" in capsys.readouterr().out
-    assert set(tat.load_checkpoint(tmp_path / "m.pt")) >= set(tat.CHECKPOINT_KEYS)
+    assert set(runs.load_checkpoint(tmp_path / "m.pt")) >= set(runs.CHECKPOINT_KEYS)
 
 
 def test_average_command_returns_2_naming_a_missing_or_mismatched_checkpoint(
@@ -189,12 +190,12 @@ def test_average_command_returns_2_naming_a_missing_or_mismatched_checkpoint(
     tiny_checkpoint(tmp_path / "a.pt", seed=1)
     out = ["--out", str(tmp_path / "m.pt")]
     assert (
-        tat.main(["average", str(tmp_path / "a.pt"), str(tmp_path / "x.pt"), *out]) == 2
+        cli.main(["average", str(tmp_path / "a.pt"), str(tmp_path / "x.pt"), *out]) == 2
     )
     assert "x.pt" in capsys.readouterr().err
     tiny_checkpoint(tmp_path / "b.pt", seed=2, h=4)
     assert (
-        tat.main(["average", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), *out]) == 2
+        cli.main(["average", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), *out]) == 2
     )
     assert "h=2 vs 4" in capsys.readouterr().err
     assert not (tmp_path / "m.pt").exists()
@@ -211,8 +212,8 @@ class EchoTranslator:
         self.answers = answers
         self.calls = []
 
-    def translate(self, sentences, batch_size=64, beam_size=1, alpha=0.6):
-        self.calls.append((list(sentences), batch_size, beam_size))
+    def translate(self, sentences, batch_size=64, **options):
+        self.calls.append((list(sentences), batch_size, options))
         return [self.answers[s] for s in sentences]
 
 
@@ -230,8 +231,9 @@ def test_sacrebleu_scores_the_references_against_themselves_as_100(tmp_path, cap
     assert sacrebleu.corpus_bleu(references, [references]).score == pytest.approx(100)
     write_split(tmp_path, "handmade", HANDMADE_PAIRS)
     echo = EchoTranslator(dict(HANDMADE_PAIRS))
-    result = tat.evaluate(echo, tmp_path, "handmade", beam_size=3, batch_size=2)
-    assert echo.calls == [([de for de, _ in HANDMADE_PAIRS], 2, 3)]
+    result = results.evaluate(echo, tmp_path, "handmade", beam_size=3, batch_size=2)
+    beam_3 = {"decode": tat.beam_search, "beam_size": 3, "alpha": 0.6}
+    assert echo.calls == [([de for de, _ in HANDMADE_PAIRS], 2, beam_3)]
     assert result["bleu"] == pytest.approx(100)
     assert result["bleu_lowercase_spacy"] == pytest.approx(100)
     assert (result["n"], result["beam_size"], result["split"]) == (3, 3, "handmade")
@@ -239,10 +241,33 @@ def test_sacrebleu_scores_the_references_against_themselves_as_100(tmp_path, cap
     assert "BLEU = 100.00" in printed and "nrefs:1|case:mixed" in printed
 
 
+def test_greedy_evaluation_decodes_with_the_key_value_cache(tmp_path):
+    write_split(tmp_path, "handmade", HANDMADE_PAIRS)
+    echo = EchoTranslator(dict(HANDMADE_PAIRS))
+    results.evaluate(echo, tmp_path, "handmade", quiet=True)
+    assert [options for *_, options in echo.calls] == [
+        {"decode": tat.cached_greedy_decode}
+    ]
+
+
+def test_bleu_scores_a_translator_and_passes_it_the_options(capsys):
+    echo = EchoTranslator(dict(HANDMADE_PAIRS))
+    score, signature, hypotheses = tat.bleu(
+        echo, HANDMADE_PAIRS, decode=tat.beam_search, beam_size=2
+    )
+    assert score.score == pytest.approx(100)
+    assert hypotheses == [en for _, en in HANDMADE_PAIRS]
+    assert "nrefs:1" in str(signature) and "tok:13a" in str(signature)
+    sources = [de for de, _ in HANDMADE_PAIRS]
+    assert echo.calls == [(sources, 64, {"decode": tat.beam_search, "beam_size": 2})]
+    shouting = EchoTranslator({de: en.upper() for de, en in HANDMADE_PAIRS})
+    assert tat.bleu(shouting, HANDMADE_PAIRS)[0].score < 10.0  # cased
+
+
 def test_evaluate_is_cased_but_its_spacy_variant_is_lowercased(tmp_path):
     write_split(tmp_path, "handmade", HANDMADE_PAIRS)
     shouting = EchoTranslator({de: en.upper() for de, en in HANDMADE_PAIRS})
-    result = tat.evaluate(shouting, tmp_path, "handmade", quiet=True)
+    result = results.evaluate(shouting, tmp_path, "handmade", quiet=True)
     assert result["bleu"] < 10.0
     assert result["bleu_lowercase_spacy"] == pytest.approx(100)
     assert "case:mixed" in result["signature"] and "tok:13a" in result["signature"]
@@ -252,7 +277,7 @@ def test_evaluate_is_cased_but_its_spacy_variant_is_lowercased(tmp_path):
 
 def test_evaluate_of_a_missing_split_names_the_file(tmp_path):
     with pytest.raises(tat.DataError, match="nosuch.de.gz"):
-        tat.evaluate(EchoTranslator({}), tmp_path, "nosuch", quiet=True)
+        results.evaluate(EchoTranslator({}), tmp_path, "nosuch", quiet=True)
 
 
 def test_evaluate_runs_a_checkpoint_end_to_end_and_prints_the_signature(
@@ -262,7 +287,7 @@ def test_evaluate_runs_a_checkpoint_end_to_end_and_prints_the_signature(
 
     folder, pairs = mini_split
     output = tmp_path / "out" / "mini.hyp.en"
-    result = tat.evaluate(trained_checkpoint, folder, "mini", output=output)
+    result = results.evaluate(trained_checkpoint, folder, "mini", output=output)
     printed = capsys.readouterr().out
     assert "nrefs:1" in printed and "tok:13a" in printed
     assert "lowercased BLEU on spaCy tokens" in printed
@@ -285,7 +310,7 @@ def test_evaluate_with_beam_size_2_decodes_with_beam_search(
         return beam_search(*args, **kwargs)
 
     monkeypatch.setattr(tat, "beam_search", counting_beam_search)
-    result = tat.evaluate(translator, folder, "mini", beam_size=2, quiet=True)
+    result = results.evaluate(translator, folder, "mini", beam_size=2, quiet=True)
     assert calls and set(calls) == {2}
     assert result["n"] == len(pairs) and result["beam_size"] == 2
     import sacrebleu
@@ -294,7 +319,7 @@ def test_evaluate_with_beam_size_2_decodes_with_beam_search(
     expected = sacrebleu.corpus_bleu(result["hypotheses"], references).score
     assert result["bleu"] == pytest.approx(expected)
     assert result["hypotheses"] == translator.translate(
-        [de for de, _ in pairs], beam_size=2
+        [de for de, _ in pairs], **runs.decoding(2)
     )
 
 
@@ -305,7 +330,7 @@ def test_evaluate_command_returns_0_and_writes_one_line_per_sentence(
     output = tmp_path / "hyp.en"
     argv = ["evaluate", "--checkpoint", str(trained_checkpoint), "--data-dir"]
     argv += [str(folder), "--split", "mini", "--output", str(output)]
-    assert tat.main(argv) == 0
+    assert cli.main(argv) == 0
     assert len(output.read_text(encoding="utf-8").splitlines()) == len(pairs)
     printed = capsys.readouterr().out
     assert "mini: 20 sentences translated (greedy)" in printed
@@ -317,7 +342,7 @@ def test_evaluate_command_with_a_missing_checkpoint_returns_2_naming_it(
 ):
     write_split(tmp_path, "handmade", HANDMADE_PAIRS)
     argv = ["evaluate", "--checkpoint", str(tmp_path / "missing.pt")]
-    assert tat.main([*argv, "--data-dir", str(tmp_path), "--split", "handmade"]) == 2
+    assert cli.main([*argv, "--data-dir", str(tmp_path), "--split", "handmade"]) == 2
     assert "missing.pt" in capsys.readouterr().err
 
 
@@ -325,7 +350,7 @@ def test_evaluate_command_without_a_data_folder_says_what_to_pass(
     tmp_path, capsys, monkeypatch
 ):
     monkeypatch.delenv(tat.DATA_ENV, raising=False)
-    assert tat.main(["evaluate", "--checkpoint", str(tmp_path / "c.pt")]) == 2
+    assert cli.main(["evaluate", "--checkpoint", str(tmp_path / "c.pt")]) == 2
     assert "--data-dir" in capsys.readouterr().err
 
 
@@ -349,9 +374,11 @@ def labels(tokens):
 @pytest.fixture(scope="module")
 def expected_tokens(translator):
     """The source tokens the model sees and the decoder's inputs, found without
-    the attention code: encode, and translate_ids for the greedy output."""
+    the attention code: encode, and decode_ids for the greedy output."""
     src_ids = translator.encode([SENTENCE])[0]
-    output = translator.translate_ids([src_ids])[0]
+    output = translator.vocab_tgt.lookup_tokens(
+        tat.decode_ids(translator.model, [src_ids])[0]
+    )
     return translator.vocab_src.lookup_tokens(src_ids), ["<s>", *output]
 
 
@@ -479,7 +506,7 @@ def attention_argv(checkpoint, out):
 
 def test_attention_command_writes_the_three_maps_as_png(trained_checkpoint, tmp_path):
     argv = attention_argv(trained_checkpoint, tmp_path)
-    assert tat.main([*argv, "--head", "0", "--head", "1", SENTENCE]) == 0
+    assert cli.main([*argv, "--head", "0", "--head", "1", SENTENCE]) == 0
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == [f"{name}.png" for name in sorted(tat.ATTENTION_TITLES)]
     for path in tmp_path.iterdir():
@@ -490,7 +517,7 @@ def test_attention_command_with_a_head_that_does_not_exist_returns_2(
     trained_checkpoint, tmp_path, capsys
 ):
     argv = attention_argv(trained_checkpoint, tmp_path)
-    assert tat.main([*argv, "--head", "5", SENTENCE]) == 2
+    assert cli.main([*argv, "--head", "5", SENTENCE]) == 2
     assert "heads must be in 0..1" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
 
@@ -503,7 +530,7 @@ def test_attention_command_with_a_head_that_does_not_exist_returns_2(
 def reproduced(multi30k_dir, tmp_path_factory):
     """A two-epoch smoke run through reproduce, scored on 20 sentences a split."""
     root = tmp_path_factory.mktemp("reproduce")
-    record = tat.reproduce(
+    record = results.reproduce(
         "smoke",
         multi30k_dir,
         root / "run",
@@ -534,7 +561,7 @@ def test_reproduce_trains_averages_and_chooses_on_validation_only(reproduced):
     assert beam["alpha"] == record["alpha"]
     assert "tok:13a" in greedy["signature"]
     assert record["epochs_planned"] == 2 and record["stopped_by_time_limit"] is None
-    rebuilt = tat.Translator.from_checkpoint(root / "run" / "epoch_002.pt")
+    rebuilt = runs.load_translator(root / "run" / "epoch_002.pt")
     assert record["parameters"] == tat.count_parameters(rebuilt.model)
     assert record["train_seconds"] >= sum(r["seconds"] for r in record["history"])
 
@@ -548,8 +575,8 @@ def test_reproduce_writes_the_json_the_table_row_and_the_training_curve(
     saved = json.loads((root / "results" / "smoke.json").read_text())
     assert saved["test_beam"]["bleu"] == pytest.approx(record["test_beam"]["bleu"])
     page = (root / "results" / "smoke.md").read_text()
-    assert tat.RESULTS_HEADER in page and tat.results_row(record) in page
-    row = tat.results_row(record).strip("|").split("|")
+    assert results.RESULTS_HEADER in page and results.results_row(record) in page
+    row = results.results_row(record).strip("|").split("|")
     assert len(row) == 7 and row[0].strip() == "`smoke`"
     assert f"{record['test_greedy']['bleu']:.2f}" in row[5]
     pairs = tat.read_split(multi30k_dir, "test_2016_flickr")[:5]
@@ -562,7 +589,7 @@ def test_reproduce_writes_the_json_the_table_row_and_the_training_curve(
 def test_reproduce_command_reports_on_an_existing_run(reproduced, capsys):
     root, _ = reproduced
     out = root / "again"
-    code = tat.main(
+    code = cli.main(
         ["reproduce", "--profile", "smoke", "--out", str(root / "run"), "--no-train"]
         + ["--results", str(out), "--images", str(out), "--limit", "10"]
         + ["--alphas", "0.6", "--data-dir", str(tat.data_dir_from_env())]
@@ -573,12 +600,12 @@ def test_reproduce_command_reports_on_an_existing_run(reproduced, capsys):
 
 
 def test_reproduce_rejects_bad_alphas_and_a_run_without_checkpoints(tmp_path, capsys):
-    code = tat.main(
+    code = cli.main(
         ["reproduce", "--data-dir", str(tmp_path), "--alphas", "0.6,x", "--no-train"]
     )
     assert code == 2 and "--alphas takes numbers" in capsys.readouterr().err
     with pytest.raises(FileNotFoundError, match="no trained run"):
-        tat.reproduce("smoke", tmp_path, tmp_path / "empty", None, train=False)
+        results.reproduce("smoke", tmp_path, tmp_path / "empty", None, train=False)
 
 
 def test_reproduce_into_a_folder_holding_a_run_exits_2_and_trains_nothing(
@@ -588,7 +615,7 @@ def test_reproduce_into_a_folder_holding_a_run_exits_2_and_trains_nothing(
     before = {p.name: p.stat().st_mtime_ns for p in (root / "run").iterdir()}
     argv = ["reproduce", "--profile", "smoke", "--out", str(root / "run")]
     argv += ["--data-dir", str(multi30k_dir), "--results", str(root / "unused")]
-    assert tat.main(argv) == 2
+    assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "already holds a training run" in err[0]
     assert "--no-train" in err[0]
@@ -601,7 +628,7 @@ def test_reproduce_reads_the_test_split_only_after_choosing_on_validation(
 ):
     root, _ = reproduced
     events = []
-    read_split, print_ = tat.read_split, print
+    read_split, print_ = results.read_split, print
 
     def recording_read_split(data_dir, split):
         events.append(("read", split))
@@ -613,9 +640,9 @@ def test_reproduce_reads_the_test_split_only_after_choosing_on_validation(
             events.append(("chose", None))
         print_(*args, **kwargs)
 
-    monkeypatch.setattr(tat, "read_split", recording_read_split)
-    monkeypatch.setattr(tat, "print", recording_print, raising=False)
-    tat.reproduce("smoke", multi30k_dir, root / "run", None, train=False, limit=5)
+    monkeypatch.setattr(results, "read_split", recording_read_split)
+    monkeypatch.setattr(results, "print", recording_print, raising=False)
+    results.reproduce("smoke", multi30k_dir, root / "run", None, train=False, limit=5)
     chose = events.index(("chose", None))
     assert {split for _, split in events[:chose]} == {"val"}
     assert ("read", "test_2016_flickr") in events[chose:]
@@ -633,9 +660,9 @@ def test_reproduce_writes_its_results_before_printing_the_table(
         text.encode("ascii")  # raises UnicodeEncodeError, as such a console would
         print_(*args, **kwargs)
 
-    monkeypatch.setattr(tat, "print", ascii_console, raising=False)
+    monkeypatch.setattr(results, "print", ascii_console, raising=False)
     with pytest.raises(UnicodeEncodeError):
-        tat.reproduce(
+        results.reproduce(
             "smoke", multi30k_dir, root / "run", tmp_path, None, train=False, limit=5
         )
     assert (tmp_path / "smoke.json").is_file() and (tmp_path / "smoke.md").is_file()
@@ -671,8 +698,8 @@ def test_reproduce_ignores_epoch_files_past_the_runs_last_epoch(
     run = tmp_path / "run"
     shutil.copytree(root / "run", run)
     shutil.copyfile(run / "epoch_001.pt", run / "epoch_020.pt")  # a stray old file
-    tat.reproduce("smoke", multi30k_dir, run, None, train=False, limit=5)
-    averaged = tat.load_checkpoint(run / "averaged.pt")["averaged_from"]
+    results.reproduce("smoke", multi30k_dir, run, None, train=False, limit=5)
+    averaged = runs.load_checkpoint(run / "averaged.pt")["averaged_from"]
     assert [Path(p).name for p in averaged] == ["epoch_001.pt", "epoch_002.pt"]
 
 
@@ -694,8 +721,38 @@ def test_data_examples_without_data_say_what_is_missing_and_how_to_get_it(
         monkeypatch.delenv(tat.DATA_ENV, raising=False)
     else:
         monkeypatch.setenv(tat.DATA_ENV, str(tmp_path))
-    monkeypatch.setenv("ANNOTATED_TRANSFORMER_RUNS", str(tmp_path / "runs"))
-    assert getattr(tat, example)() is None
+
+    def no_training(*args, **kwargs):
+        raise AssertionError(f"{example} trained a model without data")
+
+    monkeypatch.setattr(tat, "train_translator", no_training)
+    tat.notebook_run.cache_clear()  # a model trained by an earlier test is not data
+    try:
+        assert getattr(tat, example)() is None
+    finally:
+        tat.notebook_run.cache_clear()
     said = capsys.readouterr().out
     assert tat.DATA_ENV in said and "download --data-dir" in said
-    assert not (tmp_path / "runs").exists()  # nothing trained
+
+
+@pytest.mark.parametrize("where", ["", "notebooks"])
+def test_committed_results_shows_the_runs_page_from_the_repository_or_notebooks(
+    where, tmp_path, monkeypatch
+):
+    from IPython.display import Markdown
+
+    (tmp_path / "results").mkdir()
+    page = "| Profile | Parameters |\n|---|---|\n| `mine` | 1 |\n"
+    (tmp_path / "results" / "mine.md").write_text(page, encoding="utf-8")
+    (tmp_path / "notebooks").mkdir()
+    monkeypatch.chdir(tmp_path / where)
+    shown = tat.committed_results("mine")
+    assert isinstance(shown, Markdown) and shown.data == page
+
+
+def test_committed_results_of_a_run_not_committed_says_how_to_make_it(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    assert tat.committed_results("multi30k") is None
+    assert "make multi30k" in capsys.readouterr().out

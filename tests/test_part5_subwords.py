@@ -15,6 +15,7 @@ import torch
 from conftest import data_dir_or_skip
 
 import the_annotated_transformer as tat
+from workshop import cli, runs
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -57,10 +58,16 @@ def test_data_fixture_skips_locally_but_fails_in_ci_when_the_variable_is_unset()
 def test_subword_vocab_puts_the_four_specials_first_with_the_books_ids(bpe):
     assert bpe.lookup_tokens(range(4)) == list(tat.SPECIALS)
     assert [bpe[t] for t in tat.SPECIALS] == [tat.BOS, tat.EOS, tat.PAD, tat.UNK]
-    assert len(bpe) == 8000 == len(bpe.get_itos()) == len(bpe.get_stoi())
+    assert len(bpe) == 8000 == len(bpe.get_itos()) == len(set(bpe.get_itos()))
 
 
-def test_prepare_data_learns_bpe_from_exactly_the_sliced_training_sentences(
+def bpe_data_config(**overrides):
+    """A run's settings for a 1,000-token joint vocabulary learned from 300 pairs."""
+    settings = dict(vocab="bpe", bpe_vocab_size=1000, max_train_pairs=300)
+    return runs.RunConfig.from_profile("smoke", **{**settings, **overrides})
+
+
+def test_a_runs_data_learns_bpe_from_exactly_the_sliced_training_sentences(
     multi30k_dir, train_pairs, monkeypatch
 ):
     seen = []
@@ -72,13 +79,7 @@ def test_prepare_data_learns_bpe_from_exactly_the_sliced_training_sentences(
         return build(texts, vocab_size)
 
     monkeypatch.setattr(tat.SubwordVocab, "build", recording_build)
-    data = tat.prepare_data(
-        multi30k_dir,
-        splits=("val",),
-        max_train_pairs=300,
-        vocab="bpe",
-        bpe_vocab_size=1000,
-    )
+    data = runs.prepare_run_data(bpe_data_config(), multi30k_dir)
     assert seen == [texts_of(train_pairs[:300])]
     assert data.vocab_src is data.vocab_tgt
     monkeypatch.undo()
@@ -176,12 +177,10 @@ def test_encode_text_wraps_subword_ids_in_start_and_end_symbols(bpe):
     assert cut == [tat.BOS, *ids[:2], tat.EOS]
 
 
-def test_prepare_data_encodes_both_sides_with_the_one_subword_vocabulary(
+def test_a_runs_data_encodes_both_sides_with_the_one_subword_vocabulary(
     multi30k_dir,
 ):
-    data = tat.prepare_data(
-        multi30k_dir, max_train_pairs=300, vocab="bpe", bpe_vocab_size=1000
-    )
+    data = runs.prepare_run_data(bpe_data_config(), multi30k_dir)
     vocab = data.vocab_src
     assert isinstance(vocab, tat.SubwordVocab) and data.vocab_tgt is vocab
     assert len(data.splits["train"]) == 300 and len(data.splits["val"]) == 1014
@@ -192,9 +191,15 @@ def test_prepare_data_encodes_both_sides_with_the_one_subword_vocabulary(
         assert tgt == [tat.BOS, *vocab.encode(en), tat.EOS]
 
 
-def test_prepare_data_rejects_an_unknown_kind_of_vocabulary(multi30k_dir):
-    with pytest.raises(ValueError, match="'word' or 'bpe'"):
-        tat.prepare_data(multi30k_dir, splits=("val",), vocab="chars")
+def test_the_books_prepare_data_encodes_with_the_vocabularies_it_is_given(
+    multi30k_dir, train_pairs
+):
+    vocab = tat.SubwordVocab.build(texts_of(train_pairs[:300]), 1000)
+    data = tat.prepare_data(multi30k_dir, splits=("val",), vocabs=(vocab, vocab))
+    assert data.vocab_src is data.vocab_tgt is vocab
+    (de, en), (src, tgt) = data.raw["val"][0], data.splits["val"][0]
+    assert src == [tat.BOS, *vocab.encode(de), tat.EOS]
+    assert tgt == [tat.BOS, *vocab.encode(en), tat.EOS]
 
 
 # ---------------------------------------------------------------------------
@@ -203,28 +208,26 @@ def test_prepare_data_rejects_an_unknown_kind_of_vocabulary(multi30k_dir):
 
 def test_subword_vocab_round_trips_through_a_json_file(bpe, tmp_path):
     path = tmp_path / "bpe.json"
-    bpe.save(path)
+    runs.save_vocab(bpe, path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bpe.json"]  # no temp file
-    loaded = tat.SubwordVocab.load(path)
+    loaded = runs.load_vocab(path)
     assert loaded.to_json() == bpe.to_json()
     assert loaded.get_itos() == bpe.get_itos()
     text = "Zwei Männer stehen am Ufer."
     assert loaded.encode(text) == bpe.encode(text)
-    assert tat.SubwordVocab.from_json(bpe.to_json()).encode(text) == bpe.encode(text)
+    assert runs.subword_vocab_from_json(bpe.to_json()).encode(text) == bpe.encode(text)
 
 
-@pytest.mark.parametrize(
-    "text", ["not json", '{"itos": ["<s>", "</s>", "<blank>", "<unk>"]}']
-)
+@pytest.mark.parametrize("text", ["not json", '{"model": {"type": "BPE"}}'])
 def test_loading_a_file_that_is_not_a_saved_subword_vocab_raises_data_error(
     tmp_path, text
 ):
     path = tmp_path / "bpe.json"
     path.write_text(text, encoding="utf-8")
     with pytest.raises(tat.DataError, match="bpe.json"):
-        tat.SubwordVocab.load(path)
+        runs.load_vocab(path)
     with pytest.raises(tat.DataError, match="missing.json"):
-        tat.SubwordVocab.load(tmp_path / "missing.json")
+        runs.load_vocab(tmp_path / "missing.json")
 
 
 def test_a_tokenizer_without_the_specials_first_is_rejected(train_pairs):
@@ -266,9 +269,13 @@ def test_shared_embeddings_make_three_matrices_one_tensor_saving_2_v_d_parameter
     assert saved == 2 * v * d
 
 
-def test_the_books_parameter_saving_cell_checks_2_v_d():
-    config = tat.TrainConfig.from_profile("smoke")
+def test_the_books_parameter_saving_cell_checks_2_v_d(capsys):
+    config = tat.TrainConfig(**tat.PROFILES["smoke"])
     assert tat.example_shared_embeddings(500, config) == 2 * 500 * config.d_model
+    # As the notebook calls it: the quick profile's sizes.
+    quick = tat.TrainConfig(**tat.PROFILES["quick"])
+    assert tat.example_shared_embeddings(500) == 2 * 500 * quick.d_model
+    assert f"(2 x 500 x {quick.d_model})" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------
@@ -279,8 +286,8 @@ def test_word_vocabularies_without_sharing_stay_the_default():
     config = tat.TrainConfig()
     assert (config.vocab, config.bpe_vocab_size) == ("word", 8000)
     assert not config.share_embeddings and not config.tie_generator
-    for profile in tat.TRAIN_PROFILES:
-        assert tat.TrainConfig.from_profile(profile).vocab == "word"
+    for profile in runs.TRAIN_PROFILES:
+        assert runs.RunConfig.from_profile(profile).vocab == "word"
 
 
 @pytest.mark.parametrize(
@@ -296,25 +303,25 @@ def test_train_config_rejects_bad_subword_settings_with_a_clear_message(
     overrides, message
 ):
     with pytest.raises(ValueError, match=message):
-        tat.TrainConfig.from_profile("smoke", **overrides)
+        runs.RunConfig.from_profile("smoke", **overrides)
 
 
 def test_a_word_vocabulary_may_still_tie_the_generator_to_the_target_embedding():
-    config = tat.TrainConfig.from_profile("smoke", tie_generator=True)
+    config = runs.RunConfig.from_profile("smoke", tie_generator=True)
     assert config.tie_generator and config.vocab == "word"
 
 
 def old_style_config():
     """A config dict as saved before the subword fields existed."""
-    values = tat.TrainConfig.from_profile("smoke").to_dict()
+    values = runs.RunConfig.from_profile("smoke").to_dict()
     for name in NEW_FIELDS:
         del values[name]
     return values
 
 
 def test_old_config_dicts_without_the_subword_fields_load_with_the_defaults():
-    config = tat.TrainConfig.from_dict(old_style_config())
-    assert config == tat.TrainConfig.from_profile("smoke")
+    config = runs.RunConfig.from_dict(old_style_config())
+    assert config == runs.RunConfig.from_profile("smoke")
     assert config.vocab == "word" and not config.share_embeddings
 
 
@@ -323,18 +330,18 @@ def test_an_old_style_word_checkpoint_still_rebuilds_its_model(tmp_path):
     torch.manual_seed(0)
     model = tat.make_model(len(itos), len(itos), N=1, d_model=32, d_ff=64, h=2)
     path = tmp_path / "old.pt"
-    tat.save_checkpoint(
+    runs.save_checkpoint(
         path,
         {
-            "model": tat._weights_only(model.state_dict()),
+            "model": runs._weights_only(model.state_dict()),
             "config": old_style_config(),
             "epoch": 0,
             "vocab_src": itos,
             "vocab_tgt": itos,
         },
     )
-    rebuilt, vocab_src, vocab_tgt, config = tat.model_from_checkpoint(
-        tat.load_checkpoint(path)
+    rebuilt, vocab_src, vocab_tgt, config = runs.model_from_checkpoint(
+        runs.load_checkpoint(path)
     )
     assert isinstance(vocab_src, tat.Vocab) and vocab_src.get_itos() == itos
     assert vocab_tgt is not vocab_src and config.vocab == "word"
@@ -344,9 +351,9 @@ def test_an_old_style_word_checkpoint_still_rebuilds_its_model(tmp_path):
 
 
 def test_a_bpe_checkpoint_without_its_vocabulary_raises_data_error():
-    config = tat.TrainConfig.from_profile("smoke", vocab="bpe").to_dict()
+    config = runs.RunConfig.from_profile("smoke", vocab="bpe").to_dict()
     with pytest.raises(tat.DataError, match="'bpe'"):
-        tat.vocabs_from_checkpoint({"config": config, "vocab_src": [], "model": {}})
+        runs.vocabs_from_checkpoint({"config": config, "vocab_src": [], "model": {}})
 
 
 # ---------------------------------------------------------------------------
@@ -362,14 +369,14 @@ def bpe_smoke_config(**overrides):
         max_train_pairs=300,
         keep_checkpoints=1,
     )
-    return tat.TrainConfig.from_profile("smoke", **{**settings, **overrides})
+    return runs.RunConfig.from_profile("smoke", **{**settings, **overrides})
 
 
 @pytest.fixture(scope="module")
 def bpe_run(multi30k_dir, tmp_path_factory):
     """A one-epoch smoke-profile run with the joint vocabulary and tied matrices."""
     out = tmp_path_factory.mktemp("bpe_run")
-    history = tat.train_model(bpe_smoke_config(), multi30k_dir, out, quiet=True)
+    history = runs.train_model(bpe_smoke_config(), multi30k_dir, out, quiet=True)
     return SimpleNamespace(out=out, history=history)
 
 
@@ -382,7 +389,7 @@ def test_a_bpe_run_saves_its_vocabulary_in_the_checkpoint_and_as_json(bpe_run):
     last = torch.load(bpe_run.out / "last.pt", map_location="cpu", weights_only=True)
     assert last["config"] == bpe_smoke_config().to_dict()
     assert isinstance(last["bpe"], str)
-    vocab = tat.SubwordVocab.load(bpe_run.out / "bpe.json")
+    vocab = runs.load_vocab(bpe_run.out / "bpe.json")
     assert vocab.to_json() == last["bpe"]
     assert last["vocab_src"] == last["vocab_tgt"] == vocab.get_itos()
     assert len(vocab) <= 1000
@@ -391,8 +398,8 @@ def test_a_bpe_run_saves_its_vocabulary_in_the_checkpoint_and_as_json(bpe_run):
 
 
 def test_a_bpe_checkpoint_rebuilds_a_model_with_one_shared_matrix(bpe_run):
-    checkpoint = tat.load_checkpoint(bpe_run.out / "epoch_001.pt")
-    model, vocab_src, vocab_tgt, config = tat.model_from_checkpoint(checkpoint)
+    checkpoint = runs.load_checkpoint(bpe_run.out / "epoch_001.pt")
+    model, vocab_src, vocab_tgt, config = runs.model_from_checkpoint(checkpoint)
     assert isinstance(vocab_src, tat.SubwordVocab) and vocab_tgt is vocab_src
     assert config.share_embeddings and config.tie_generator
     lut = model.src_embed[0].lut.weight
@@ -405,7 +412,7 @@ def test_a_bpe_checkpoint_rebuilds_a_model_with_one_shared_matrix(bpe_run):
 
 
 def test_a_translator_from_a_bpe_checkpoint_returns_plain_text(bpe_run):
-    translator = tat.Translator.from_checkpoint(bpe_run.out / "last.pt", device="cpu")
+    translator = runs.load_translator(bpe_run.out / "last.pt", device="cpu")
     vocab = translator.vocab_src
     assert translator.encode(["Ein Hund läuft."]) == [
         [tat.BOS, *vocab.encode("Ein Hund läuft."), tat.EOS]
@@ -425,13 +432,13 @@ def test_a_bpe_run_resumes_with_the_vocabulary_it_saved(
 ):
     shutil.copytree(bpe_run.out, tmp_path, dirs_exist_ok=True)
     before = (tmp_path / "bpe.json").read_text(encoding="utf-8")
-    history = tat.train_model(
+    history = runs.train_model(
         bpe_smoke_config(epochs=2), multi30k_dir, tmp_path, resume=True, quiet=True
     )
     assert [r["epoch"] for r in history] == [1, 2]
     assert history[0] == bpe_run.history[0]
     assert (tmp_path / "bpe.json").read_text(encoding="utf-8") == before
-    assert tat.load_checkpoint(tmp_path / "last.pt")["bpe"] == before
+    assert runs.load_checkpoint(tmp_path / "last.pt")["bpe"] == before
 
 
 # ---------------------------------------------------------------------------
@@ -443,12 +450,12 @@ def test_train_command_passes_vocab_size_and_sharing_to_the_config(
 ):
     calls = []
     monkeypatch.setattr(
-        tat, "train_model", lambda config, *args, **kwargs: calls.append(config)
+        cli, "train_model", lambda config, *args, **kwargs: calls.append(config)
     )
     argv = ["train", "--data-dir", str(tmp_path), "--out", str(tmp_path)]
     argv += ["--profile", "smoke", "--vocab", "bpe", "--bpe-vocab-size", "2000"]
-    assert tat.main([*argv, "--share-embeddings"]) == 0
-    assert tat.main(argv) == 0
+    assert cli.main([*argv, "--share-embeddings"]) == 0
+    assert cli.main(argv) == 0
     shared, unshared = calls
     assert (shared.vocab, shared.bpe_vocab_size) == ("bpe", 2000)
     assert shared.share_embeddings and shared.tie_generator
@@ -459,5 +466,5 @@ def test_train_command_sharing_embeddings_of_word_vocabularies_returns_2(
     tmp_path, capsys
 ):
     argv = ["train", "--data-dir", str(tmp_path), "--out", str(tmp_path)]
-    assert tat.main([*argv, "--share-embeddings"]) == 2
+    assert cli.main([*argv, "--share-embeddings"]) == 2
     assert "vocab='bpe'" in capsys.readouterr().err

@@ -1,0 +1,273 @@
+"""The workshop package beside the book, and the book's independence from it.
+
+The book (the_annotated_transformer.py) never imports `workshop`; the package uses
+only the book's public names. workshop.fast's CPU tricks must compute what the
+book's plain versions compute: its dropout is nn.Dropout's coin with a cheaper
+random draw, and its fused label-smoothing loss has the book's value and gradient.
+"""
+
+import ast
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import the_annotated_transformer as tat
+from workshop import fast, runs
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+WORKSHOP = REPO_ROOT / "workshop"
+BOOK = "the_annotated_transformer"
+SMALL = {"N": 2, "d_model": 32, "d_ff": 64, "h": 4}
+
+
+def run_python(code):
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+# ---------------------------------------------------------------------------
+# The book stands alone; the workshop uses its public names
+
+
+def test_importing_the_book_loads_no_workshop_module():
+    code = (
+        "import json, sys\n"
+        "import the_annotated_transformer\n"
+        "loaded = [m for m in sys.modules if m.startswith('workshop')]\n"
+        "print(json.dumps(sorted(loaded)))\n"
+    )
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == []
+
+
+def private_uses_of_the_book(tree):
+    """`from the_annotated_transformer import _x` and `book._x`, where `book` is
+    a name the module binds to the book, as (line, text) pairs."""
+    aliases = set()
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == BOOK:
+                    aliases.add(alias.asname or alias.name)
+        elif isinstance(node, ast.ImportFrom) and node.module == BOOK:
+            for alias in node.names:
+                if alias.name.startswith("_"):
+                    found.append((node.lineno, f"from {BOOK} import {alias.name}"))
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and node.attr.startswith("_")
+        ):
+            found.append((node.lineno, f"{node.value.id}.{node.attr}"))
+    return found
+
+
+def test_the_private_use_finder_finds_both_forms():
+    """The control for the test below: the finder sees what it looks for."""
+    code = (
+        f"import {BOOK} as tat\nfrom {BOOK} import _fit, PAD\n"
+        "tat._fit([1], 2)\ntat.PAD\nother._x\n"
+    )
+    assert private_uses_of_the_book(ast.parse(code)) == [
+        (2, f"from {BOOK} import _fit"),
+        (3, "tat._fit"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "path", sorted(WORKSHOP.glob("*.py")), ids=lambda path: path.name
+)
+def test_the_workshop_uses_only_the_books_public_names(path):
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    assert private_uses_of_the_book(tree) == []
+
+
+def test_the_original_notebooks_names_import_from_the_book():
+    result = run_python(
+        "from the_annotated_transformer import (make_model, Batch, run_epoch, rate,\n"
+        "    LabelSmoothing, SimpleLossCompute, greedy_decode, subsequent_mask,\n"
+        "    attention, MultiHeadedAttention, PositionalEncoding, EncoderDecoder,\n"
+        "    beam_search, Vocab)\n"
+    )
+    assert result.returncode == 0, result.stderr
+
+
+# ---------------------------------------------------------------------------
+# fast.Dropout: nn.Dropout's coin from 16 random bits per element
+
+
+def test_fast_dropout_keeps_each_element_with_probability_1_minus_p_and_rescales():
+    torch.manual_seed(0)
+    drop = fast.Dropout(0.1).train()
+    x = torch.ones(400_000)
+    y = drop(x)
+    kept = y != 0
+    assert abs(kept.float().mean().item() - 0.9) < 0.003  # 6 standard deviations
+    assert torch.allclose(y[kept], torch.full_like(y[kept], 1 / 0.9))
+    assert abs(y.mean().item() - 1.0) < 0.004  # unbiased
+    pairs = kept[:-1] & kept[1:]  # neighbours are independent (no shared bits)
+    assert abs(pairs.float().mean().item() - 0.81) < 0.004
+
+
+def test_fast_dropout_gradient_is_the_same_mask_and_eval_mode_is_identity():
+    drop = fast.Dropout(0.3).train()
+    x = torch.randn(50, 40, requires_grad=True)
+    y = drop(x)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, (y / x).detach())
+    drop.eval()
+    assert torch.equal(drop(x), x)
+    assert torch.equal(fast.Dropout(0.0).train()(x), x)
+
+
+def test_fast_dropout_mask_is_reproducible_and_matches_nn_dropout_statistics():
+    torch.manual_seed(3)
+    first = fast.dropout_keep_mask(torch.empty(1001), 0.25)
+    torch.manual_seed(3)
+    assert torch.equal(first, fast.dropout_keep_mask(torch.empty(1001), 0.25))
+    assert first.shape == (1001,)
+    assert torch.allclose(first.unique(), torch.tensor([0.0, 4 / 3]))
+    torch.manual_seed(3)
+    reference = F.dropout(torch.ones(200_000), 0.25, training=True)
+    ours = fast.dropout_keep_mask(torch.empty(200_000), 0.25)
+    assert abs((ours == 0).float().mean() - (reference == 0).float().mean()) < 0.01
+
+
+def dropouts(model):
+    return [m for m in model.modules() if isinstance(m, nn.Dropout)]
+
+
+@pytest.mark.parametrize("p", [0.0, 0.37])
+def test_use_fast_dropout_swaps_every_dropout_of_a_book_model_keeping_its_p(p):
+    torch.manual_seed(0)
+    book = tat.make_model(11, 11, **SMALL, dropout=p)
+    before = [(type(m), m.p) for m in dropouts(book)]
+    assert before and all(kind is nn.Dropout for kind, _ in before)
+    swapped = fast.use_fast_dropout(book)
+    assert swapped is book
+    after = dropouts(book)
+    assert [type(m) for m in after] == [fast.Dropout] * len(before)
+    assert [m.p for m in after] == [p for _, p in before]
+    attention = [m for m in book.modules() if isinstance(m, tat.MultiHeadedAttention)]
+    assert all(type(m.dropout) is fast.Dropout for m in attention)
+
+
+def test_a_runs_model_is_the_books_model_with_fast_dropout():
+    config = runs.RunConfig.from_profile("smoke", dropout=0.2)
+    torch.manual_seed(0)
+    book = config.make_model(11, 13)
+    torch.manual_seed(0)
+    run = runs.make_run_model(config, 11, 13)
+    assert {type(m) for m in dropouts(run)} == {fast.Dropout}
+    assert all(m.p == 0.2 for m in dropouts(run))
+    book_state, run_state = book.state_dict(), run.state_dict()
+    assert book_state.keys() == run_state.keys()
+    assert all(torch.equal(book_state[k], run_state[k]) for k in book_state)
+    src = torch.randint(4, 11, (2, 5))
+    tgt = torch.randint(4, 13, (2, 4))
+    src_mask, tgt_mask = tat.padding_mask(src, tat.PAD), tat.subsequent_mask(4)
+    with torch.no_grad():  # in eval mode dropout is off: the same function
+        want = book.eval()(src, tgt, src_mask, tgt_mask)
+        got = run.eval()(src, tgt, src_mask, tgt_mask)
+    assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------------------
+# fast.LabelSmoothing: the book's loss, fused
+
+
+def label_smoothing_case(size=9, pad=2, n=12, seed=0):
+    """float64 log-probabilities (a leaf) and targets, two of them padding."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, size, generator=gen, dtype=torch.float64).log_softmax(-1)
+    target = torch.randint(0, size, (n,), generator=gen)
+    target[[3, 7]] = pad
+    return x.detach().requires_grad_(), target
+
+
+def sum_rounding_bound(x):
+    """How far two float64 sums of the same n * size terms may lie apart.
+
+    Each loss is the sum over rows and classes of q_c * (log q_c - x_c), computed in a
+    different order (the book's kl_div adds q log q - q x per element; the fused one
+    regroups it as -confidence * x_target - spread * (the row's other x) plus a
+    constant). A sum of N terms computed in any order is within (N - 1) * eps * (the
+    sum of the terms' sizes) of the exact value; every |term| is at most |x_c| + 1/e
+    (q <= 1, |q log q| <= 1/e), so both lie within that of the exact loss.
+    """
+    eps = torch.finfo(torch.float64).eps
+    terms = x.numel()
+    return 2 * terms * eps * (x.detach().abs().sum().item() + terms / math.e)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.4])
+def test_fast_label_smoothing_equals_the_books_in_value_and_gradient(smoothing):
+    x, target = label_smoothing_case()
+    book = tat.LabelSmoothing(9, 2, smoothing)(x, target)
+    (book_grad,) = torch.autograd.grad(book, x)
+    ours = fast.LabelSmoothing(9, 2, smoothing)(x, target)
+    (our_grad,) = torch.autograd.grad(ours, x)
+    assert ours.dtype == torch.float64
+    assert abs(ours.item() - book.item()) <= sum_rounding_bound(x)
+    # Both gradients are -q (zero rows for the padding targets), each element one
+    # product with the incoming gradient 1: at most one rounding, of a number <= 1.
+    eps = torch.finfo(torch.float64).eps
+    torch.testing.assert_close(our_grad, book_grad, rtol=0, atol=eps)
+    assert not our_grad[[3, 7]].any() and not our_grad[:, 2].any()
+
+
+def test_fast_label_smoothing_scales_its_gradient_by_the_incoming_one():
+    x, target = label_smoothing_case(seed=1)
+    ours = fast.LabelSmoothing(9, 2, 0.1)(x, target)
+    (scaled,) = torch.autograd.grad(ours / 7.0, x)
+    crit = tat.LabelSmoothing(9, 2, 0.1)
+    (book,) = torch.autograd.grad(crit(x, target) / 7.0, x)
+    torch.testing.assert_close(scaled, book, rtol=0, atol=torch.finfo(x.dtype).eps)
+
+
+def test_fast_label_smoothing_is_finite_where_the_padding_probability_is_zero():
+    probs = torch.tensor([[0.0, 0.7, 0.1, 0.1, 0.1], [0.0, 0.0, 1.0, 0.0, 0.0]])
+    x = tat.safe_log(probs.double()).requires_grad_()
+    target = torch.tensor([1, 2])
+    ours = fast.LabelSmoothing(5, 0, 0.1)(x, target)
+    book = tat.LabelSmoothing(5, 0, 0.1)(x, target)
+    assert torch.isfinite(ours)
+    assert abs(ours.item() - book.item()) <= sum_rounding_bound(x)
+
+
+def test_neg_entropy_is_the_sum_of_q_log_q_of_a_non_padding_row():
+    for smoothing in (0.0, 0.1, 0.4):
+        crit = tat.LabelSmoothing(9, 2, smoothing)
+        q = crit.smoothed_targets(torch.tensor([5]), torch.float64)[0]
+        expected = torch.special.xlogy(q, q).sum().item()  # 0 log 0 = 0
+        assert fast.neg_entropy(crit) == pytest.approx(expected, rel=1e-12, abs=1e-15)
+
+
+def test_fast_label_smoothing_keeps_the_books_checks_and_true_dist():
+    crit = fast.LabelSmoothing(5, 0, 0.1)
+    with pytest.raises(ValueError, match=r"LabelSmoothing\(size=5\)"):
+        crit(torch.zeros(2, 4), torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="size >= 3"):
+        fast.LabelSmoothing(2, 0, 0.1)
+    target = torch.tensor([1, 0, 3])
+    crit(torch.zeros(3, 5).log_softmax(-1), target)
+    torch.testing.assert_close(
+        crit.true_dist, tat.LabelSmoothing(5, 0, 0.1).smoothed_targets(target)
+    )

@@ -1,0 +1,310 @@
+"""The command line of `python the_annotated_transformer.py COMMAND`.
+
+Every failure ends as one line on stderr that says what was wrong, and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from the_annotated_transformer import (
+    DATA_ENV,
+    CopyTaskConfig,
+    DataError,
+    data_dir_from_env,
+    example_simple_model,
+)
+from workshop.figures import save_attention_maps, save_figures
+from workshop.multi30k import download_multi30k
+from workshop.results import evaluate, reproduce
+from workshop.runs import (
+    TRAIN_PROFILES,
+    RunConfig,
+    average_checkpoints,
+    decoding,
+    load_translator,
+    resume_config,
+    train_model,
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, without the usage block."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive_int(text):
+    """argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number of at least 1, got {text!r}"
+        )
+    return value
+
+
+def build_parser():
+    """The command-line interface's argument parser."""
+    parser = _Parser(
+        prog="the_annotated_transformer.py",
+        description="The Annotated Transformer: examples and tools from the book.",
+    )
+    commands = parser.add_subparsers(
+        dest="command", metavar="COMMAND", parser_class=_Parser
+    )
+    copy_cmd = commands.add_parser("copy", help="train the copy task and show copies")
+    copy_cmd.add_argument("--epochs", type=_positive_int, default=CopyTaskConfig.epochs)
+    copy_cmd.add_argument("--seed", type=int, default=CopyTaskConfig.seed)
+    copy_cmd.add_argument("--quiet", action="store_true", help="no per-epoch lines")
+    download = commands.add_parser("download", help="fetch and verify Multi30k")
+    download.add_argument("--data-dir", required=True, help="folder for the files")
+    train = commands.add_parser("train", help="train a German->English model")
+    train.add_argument("--data-dir", required=True, help="folder with Multi30k")
+    train.add_argument("--out", required=True, help="folder for checkpoints")
+    train.add_argument(
+        "--profile", choices=sorted(TRAIN_PROFILES), help="settings (default: quick)"
+    )
+    train.add_argument(
+        "--resume", action="store_true", help="continue the run in --out"
+    )
+    train.add_argument(
+        "--epochs", type=_positive_int, help="the profile's epochs, or more to resume"
+    )
+    train.add_argument("--max-tokens", type=_positive_int, help="tokens per batch")
+    train.add_argument("--accum-iter", type=_positive_int, help="micro-batches a step")
+    train.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
+    train.add_argument(
+        "--time-limit", type=float, help="minutes: start no epoch that would end later"
+    )
+    train.add_argument(
+        "--vocab", choices=("word", "bpe"), help="words (default) or joint subwords"
+    )
+    train.add_argument(
+        "--bpe-vocab-size", type=_positive_int, help="subword vocabulary size"
+    )
+    train.add_argument(
+        "--share-embeddings",
+        action="store_true",
+        help="one matrix for both embeddings and the output (needs --vocab bpe)",
+    )
+    train.add_argument(
+        "--nprocs", type=_positive_int, default=1, help="spawn K processes"
+    )
+    train.add_argument("--quiet", action="store_true")
+    trans = commands.add_parser("translate", help="translate German sentences")
+    trans.add_argument("--checkpoint", required=True, help="a .pt from train")
+    trans.add_argument("sentences", nargs="*", help="sentences (default: stdin)")
+    figures = commands.add_parser("figures", help="write the book's charts as PNG")
+    figures.add_argument("--out", default="images", help="output folder (images/)")
+    figures.add_argument("names", nargs="*", help="only these charts (default: all)")
+    _add_results_commands(commands)
+    return parser
+
+
+def _add_results_commands(commands):
+    """The evaluate, average and attention commands (Part 5 and the results)."""
+    evaluate_cmd = commands.add_parser("evaluate", help="BLEU of a checkpoint")
+    evaluate_cmd.add_argument("--checkpoint", required=True, help="a .pt from train")
+    evaluate_cmd.add_argument("--data-dir", help=f"Multi30k folder (or ${DATA_ENV})")
+    evaluate_cmd.add_argument(
+        "--split", default="test_2016_flickr", help="NAME of NAME.de.gz, NAME.en.gz"
+    )
+    evaluate_cmd.add_argument(
+        "--beam", type=_positive_int, default=1, help="1: greedy (default)"
+    )
+    evaluate_cmd.add_argument("--output", help="write the translations to this file")
+    evaluate_cmd.add_argument("--batch-size", type=_positive_int, default=64)
+    evaluate_cmd.add_argument("--alpha", type=float, default=0.6, help="beam's α")
+    repro = commands.add_parser(
+        "reproduce", help="train, average, choose on val, score test: a Results row"
+    )
+    repro.add_argument("--profile", default="multi30k", choices=sorted(TRAIN_PROFILES))
+    repro.add_argument("--data-dir", help=f"Multi30k folder (or ${DATA_ENV})")
+    repro.add_argument("--out", help="checkpoint folder (default runs/PROFILE)")
+    repro.add_argument("--results", default="results", help="for PROFILE.json, .md")
+    repro.add_argument("--images", default="images", help="for the training curve")
+    repro.add_argument("--average-last", type=_positive_int, default=5)
+    repro.add_argument("--beam", type=_positive_int, default=4)
+    repro.add_argument(
+        "--alphas", default="0.6,1.0,1.5", help="length-penalty exponents to try on val"
+    )
+    repro.add_argument(
+        "--limit", type=_positive_int, help="score only the first N sentences"
+    )
+    repro.add_argument(
+        "--no-train", action="store_true", help="report on the run already in --out"
+    )
+    average_cmd = commands.add_parser("average", help="average checkpoints of a run")
+    average_cmd.add_argument("checkpoints", nargs="+", help="epoch_NNN.pt files")
+    average_cmd.add_argument("--out", required=True, help="the averaged checkpoint")
+    attention = commands.add_parser("attention", help="draw attention maps as PNG")
+    attention.add_argument("--checkpoint", required=True, help="a .pt from train")
+    attention.add_argument("--out", default="images", help="output folder (images/)")
+    attention.add_argument("--layer", type=int, default=0, help="-1: the last")
+    attention.add_argument(
+        "--head", type=int, action="append", dest="heads", metavar="H", help="repeat"
+    )
+    attention.add_argument("sentence", help="a German sentence")
+
+
+def main(argv=None):
+    """Entry point of `python the_annotated_transformer.py ...`.
+
+    Every failure ends as one line on stderr that says what was wrong, and exit
+    status 2 (set ANNOTATED_TRANSFORMER_DEBUG=1 to see the traceback instead).
+    """
+    args = build_parser().parse_args(argv)
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):  # progress shows up in log files, and a
+            # console that cannot show a character (say, α) gets an escape instead
+            stream.reconfigure(line_buffering=True, errors="backslashreplace")
+    try:
+        return _run_command(args)
+    except KeyboardInterrupt:
+        print("interrupted; finished epochs are saved in --out", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if os.environ.get("ANNOTATED_TRANSFORMER_DEBUG"):
+            raise
+        print(f"error: {_one_line(error)}", file=sys.stderr)
+        return 2
+
+
+def _one_line(error):
+    """An exception as one line: its message, or its type for an unexpected one."""
+    expected = (ValueError, TypeError, OSError, DataError)
+    text = " ".join(str(error).split()) or type(error).__name__
+    if isinstance(error, expected):
+        return text
+    return (
+        f"{type(error).__name__}: {text} (unexpected: set "
+        "ANNOTATED_TRANSFORMER_DEBUG=1 for the traceback and report it)"
+    )
+
+
+def _run_command(args):
+    """Run the parsed command; returns the exit status."""
+    if args.command in (None, "copy"):
+        config = CopyTaskConfig()
+        if args.command == "copy":
+            config = CopyTaskConfig(epochs=args.epochs, seed=args.seed)
+        _, exact = example_simple_model(config, quiet=getattr(args, "quiet", False))
+        return 0 if exact else 1
+    if args.command == "figures":
+        save_figures(args.out, args.names)
+    elif args.command == "download":
+        download_multi30k(args.data_dir)
+    elif args.command == "train":
+        overrides = {
+            key: value
+            for key, value in (
+                ("epochs", args.epochs),
+                ("max_tokens", args.max_tokens),
+                ("accum_iter", args.accum_iter),
+                ("time_limit", args.time_limit),
+            )
+            if value is not None
+        }
+        if args.bf16:
+            overrides["bf16"] = True
+        if args.vocab is not None:
+            overrides["vocab"] = args.vocab
+        if args.bpe_vocab_size is not None:
+            overrides["bpe_vocab_size"] = args.bpe_vocab_size
+        if args.share_embeddings:
+            overrides["share_embeddings"] = overrides["tie_generator"] = True
+        if args.resume:  # the run's own settings; only --epochs may grow
+            if args.profile is not None:
+                overrides["profile"] = args.profile
+            config = resume_config(args.out, **overrides)
+        else:
+            config = RunConfig.from_profile(args.profile or "quick", **overrides)
+        train_model(
+            config,
+            args.data_dir,
+            args.out,
+            resume=args.resume,
+            nprocs=args.nprocs,
+            quiet=args.quiet,
+        )
+    elif args.command == "translate":
+        translator = load_translator(args.checkpoint)
+        sentences = _sentences_to_translate(args.sentences)
+        for line in translator.translate(sentences, **decoding()):
+            print(line)
+    elif args.command in ("evaluate", "average", "attention", "reproduce"):
+        _run_results_command(args)
+    return 0
+
+
+def _sentences_to_translate(arguments):
+    """The sentences given on the command line, else those read from stdin."""
+    sentences = [s.strip() for s in arguments if s.strip()]
+    if not sentences:
+        if sys.stdin.isatty():
+            print("German sentences, one per line; end with Ctrl-D:", file=sys.stderr)
+        sentences = [line.strip() for line in sys.stdin if line.strip()]
+    if not sentences:
+        raise ValueError(
+            "translate: no sentences given. Pass them as arguments, or one per line "
+            "on standard input."
+        )
+    return sentences
+
+
+def _run_results_command(args):
+    """Run the evaluate, average, attention or reproduce command."""
+    if args.command == "evaluate":
+        data_dir = args.data_dir or data_dir_from_env()
+        if data_dir is None:
+            raise ValueError(f"evaluate: pass --data-dir DIR or set ${DATA_ENV}.")
+        split, beam, output = args.split, args.beam, args.output
+        evaluate(
+            args.checkpoint,
+            data_dir,
+            split,
+            beam,
+            output,
+            args.batch_size,
+            alpha=args.alpha,
+        )
+    elif args.command == "reproduce":
+        data_dir = args.data_dir or data_dir_from_env()
+        if data_dir is None:
+            raise ValueError(f"reproduce: pass --data-dir DIR or set ${DATA_ENV}.")
+        try:
+            alphas = tuple(float(a) for a in args.alphas.split(","))
+        except ValueError:
+            raise ValueError(
+                f"--alphas takes numbers separated by commas, like 0.6,1.0; got "
+                f"{args.alphas!r}."
+            ) from None
+        reproduce(
+            args.profile,
+            data_dir,
+            args.out or Path("runs") / args.profile,
+            args.results,
+            args.images,
+            average_last=args.average_last,
+            beam_size=args.beam,
+            alphas=alphas,
+            train=not args.no_train,
+            limit=args.limit,
+        )
+    elif args.command == "average":
+        average_checkpoints(args.checkpoints, args.out)
+        print(f"averaged {len(args.checkpoints)} checkpoints into {args.out}")
+    else:
+        paths = save_attention_maps(
+            args.checkpoint, args.sentence, args.out, args.layer, args.heads
+        )
+        for path in paths:
+            print(f"wrote {path}")

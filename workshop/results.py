@@ -1,0 +1,351 @@
+"""Evaluation with sacreBLEU, and `reproduce`: train a profile, average, choose on
+the validation split, score the test set, and write results/<profile>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from the_annotated_transformer import (
+    DataError,
+    check_positive_int,
+    count_parameters,
+    default_device,
+    load_altair,
+    load_tokenizers,
+    tokenize,
+)
+from workshop.figures import save_png
+from workshop.multi30k import read_split
+from workshop.runs import (
+    RunConfig,
+    atomic_write_text,
+    average_checkpoints,
+    decoding,
+    epoch_files,
+    load_checkpoint,
+    load_translator,
+    refuse_existing_run,
+    train_model,
+)
+
+
+def _spaced_tokens(texts, tokenizer):
+    """Each text as its spaCy tokens joined by single spaces."""
+    return [" ".join(tokenize(text, tokenizer)) for text in texts]
+
+
+def evaluate(
+    translator_or_checkpoint,
+    data_dir,
+    split="test_2016_flickr",
+    beam_size=1,
+    output=None,
+    batch_size=64,
+    quiet=False,
+    alpha=0.6,
+    limit=None,
+):
+    """Translate a split's German side and score it with sacreBLEU; returns a dict.
+
+    `alpha` is beam search's length-penalty exponent (unused by greedy decoding);
+    `limit` scores only the split's first sentences (for quick checks).
+    """
+    import sacrebleu
+
+    check_positive_int(beam_size=beam_size, batch_size=batch_size)
+    pairs = read_split(data_dir, split)[:limit]
+    if not pairs:
+        raise DataError(f"split {split!r} in {data_dir} is empty: nothing to score.")
+    translator = translator_or_checkpoint
+    if isinstance(translator, str | os.PathLike):
+        translator = load_translator(translator)
+    sources = [de for de, _ in pairs]
+    references = [en for _, en in pairs]
+    start = time.perf_counter()
+    hypotheses = translator.translate(
+        sources, batch_size=batch_size, **decoding(beam_size, alpha)
+    )
+    seconds = time.perf_counter() - start
+    if output is not None:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(output, "".join(line + "\n" for line in hypotheses))
+    bleu = sacrebleu.metrics.BLEU()  # 13a tokenisation, cased: the standard
+    score = bleu.corpus_score(hypotheses, [references])
+    spacy_en = load_tokenizers()[1]
+    # Tokenised on purpose: `force` stops sacreBLEU warning that it looks tokenised.
+    bleu_lc = sacrebleu.metrics.BLEU(tokenize="none", lowercase=True, force=True)
+    score_lc = bleu_lc.corpus_score(
+        _spaced_tokens(hypotheses, spacy_en), [_spaced_tokens(references, spacy_en)]
+    )
+    result = {
+        "split": split,
+        "n": len(pairs),
+        "beam_size": beam_size,
+        "alpha": alpha if beam_size > 1 else None,
+        "bleu": score.score,
+        "signature": str(bleu.get_signature()),
+        "precisions": list(score.precisions),
+        "brevity_penalty": score.bp,
+        "bleu_lowercase_spacy": score_lc.score,
+        "signature_lowercase_spacy": str(bleu_lc.get_signature()),
+        "seconds": seconds,
+        "output": None if output is None else str(output),
+        "hypotheses": hypotheses,
+    }
+    if not quiet:
+        _print_evaluation(result, score)
+    return result
+
+
+def _print_evaluation(result, score):
+    """Print what `evaluate` measured."""
+    decoding = "greedy"
+    if result["beam_size"] > 1:
+        decoding = f"beam {result['beam_size']}, alpha {result['alpha']:g}"
+    print(
+        f"{result['split']}: {result['n']} sentences translated ({decoding}) in "
+        f"{result['seconds']:.1f} s"
+    )
+    print(f"sacreBLEU: {score}")
+    print(f"signature: {result['signature']}")
+    print(
+        f"lowercased BLEU on spaCy tokens (for comparison with other Multi30k "
+        f"results; not a sacreBLEU score): {result['bleu_lowercase_spacy']:.2f} "
+        f"[{result['signature_lowercase_spacy']}]"
+    )
+    if result["output"] is not None:
+        print(f"translations written to {result['output']}")
+
+
+RESULTS_HEADER = (
+    "| Profile | Parameters | Training time | Hardware | Validation perplexity "
+    "| Test BLEU, greedy | Test BLEU, beam |\n|---|---|---|---|---|---|---|"
+)
+
+
+def describe_machine(device=None):
+    """A short description of the device that trains: the GPU, or the CPU and cores."""
+    device = torch.device(device or default_device())
+    if device.type == "cuda":
+        return f"GPU: {torch.cuda.get_device_name(device)}"
+    name = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    return f"CPU: {name}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+
+
+def reproduce(
+    profile,
+    data_dir,
+    out_dir,
+    results_dir="results",
+    images_dir="images",
+    *,
+    average_last=5,
+    beam_size=4,
+    alphas=(0.6, 1.0, 1.5),
+    train=True,
+    quiet=False,
+    limit=None,
+    overrides=None,
+):
+    """Train `profile`, average, choose on validation, score the test set; returns
+    the record that `results_dir`/<profile>.json holds (None: write no files).
+
+    `overrides` (a dict) changes fields of the profile; `limit` scores only the first
+    sentences of each split (for quick checks).
+    """
+    check_positive_int(average_last=average_last, beam_size=beam_size)
+    if limit is not None:
+        check_positive_int(limit=limit)
+    if not alphas:
+        raise ValueError("reproduce: give at least one alpha to choose from.")
+    say = (lambda *args: None) if quiet else print
+    out_dir = Path(out_dir)
+    start = time.perf_counter()
+    if train:
+        config = RunConfig.from_profile(profile, **(overrides or {}))
+        refuse_existing_run(
+            out_dir,
+            "report on it with --no-train, or give another --out (or delete the "
+            "folder) to train anew.",
+        )
+        train_model(config, data_dir, out_dir, quiet=quiet)
+    wall = time.perf_counter() - start
+    if not (out_dir / "last.pt").is_file():
+        raise FileNotFoundError(
+            f"{out_dir} holds no trained run (no last.pt): train first (train=True)."
+        )
+    run = load_checkpoint(out_dir / "last.pt")  # holds the losses of every epoch
+    history = run["history"]
+    # This run's epoch files, up to its last epoch, in epoch order.
+    epochs = [p for p in epoch_files(out_dir) if _epoch_number(p) <= len(history)]
+    if not epochs or _epoch_number(epochs[-1]) != len(history):
+        raise DataError(
+            f"{out_dir} lacks epoch_{len(history):03d}.pt, the checkpoint of its "
+            "last epoch; the folder is incomplete."
+        )
+    candidates = {"last epoch": epochs[-1]}
+    if average_last > 1 and len(epochs) > 1:
+        chosen_paths = epochs[-average_last:]
+        average_checkpoints(chosen_paths, out_dir / "averaged.pt")
+        candidates[f"average of the last {len(chosen_paths)}"] = out_dir / "averaged.pt"
+    translators = {name: load_translator(p) for name, p in candidates.items()}
+    validation = {}
+    for name, candidate in translators.items():
+        score = evaluate(candidate, data_dir, "val", quiet=True, limit=limit)["bleu"]
+        validation[name] = score
+        say(f"validation BLEU, greedy, {name}: {score:.2f}")
+    chosen = max(validation, key=validation.get)
+    translator = translators[chosen]
+    by_alpha = {}
+    for alpha in alphas:
+        by_alpha[alpha] = evaluate(
+            translator, data_dir, "val", beam_size, quiet=True, alpha=alpha, limit=limit
+        )["bleu"]
+        say(
+            f"validation BLEU, beam {beam_size}, alpha {alpha:g}: {by_alpha[alpha]:.2f}"
+        )
+    alpha = max(by_alpha, key=by_alpha.get)
+    say(f"chosen on validation: {chosen}, alpha {alpha:g}; now the test set")
+    test = "test_2016_flickr"
+    greedy = evaluate(translator, data_dir, test, quiet=quiet, limit=limit)
+    beam = evaluate(
+        translator, data_dir, test, beam_size, quiet=quiet, alpha=alpha, limit=limit
+    )
+    pairs = read_split(data_dir, test)[:5]
+    record = {
+        "profile": profile,
+        "config": run["config"],
+        "parameters": count_parameters(translator.model),
+        "machine": describe_machine(),
+        "train_seconds": wall if train else sum(r["seconds"] for r in history),
+        "train_seconds_measured": "wall clock" if train else "sum of epochs",
+        "epochs": len(history),
+        "epochs_planned": run["config"]["epochs"],
+        "stopped_by_time_limit": run.get("stopped"),  # None: the whole budget ran
+        "history": history,
+        "val_ppl": history[-1]["val_ppl"],
+        "validation_bleu": validation,
+        "chosen": chosen,
+        "validation_bleu_by_alpha": {f"{a:g}": b for a, b in by_alpha.items()},
+        "alpha": alpha,
+        "test_greedy": {k: v for k, v in greedy.items() if k != "hypotheses"},
+        "test_beam": {k: v for k, v in beam.items() if k != "hypotheses"},
+        "examples": [
+            {"source": de, "reference": en, "greedy": g, "beam": b}
+            for (de, en), g, b in zip(
+                pairs, greedy["hypotheses"], beam["hypotheses"], strict=False
+            )
+        ],
+    }
+    if results_dir is not None:  # written before anything more is printed
+        _write_results(record, Path(results_dir), images_dir)
+    say(RESULTS_HEADER + "\n" + results_row(record))
+    return record
+
+
+def _epoch_number(path):
+    return int(Path(path).stem.removeprefix("epoch_"))
+
+
+def results_row(record):
+    """The record as one row of the README's Results table (Markdown)."""
+    minutes = record["train_seconds"] / 60
+    greedy, beam = record["test_greedy"], record["test_beam"]
+    epochs = f"{record['epochs']} epochs"
+    if record.get("stopped_by_time_limit"):
+        epochs = f"{record['epochs']} of {record['epochs_planned']} epochs (time limit)"
+    return (
+        f"| `{record['profile']}` | {record['parameters'] / 1e6:.1f} M "
+        f"| {minutes:.0f} min, {epochs} | {record['machine']} "
+        f"| {record['val_ppl']:.2f} | {greedy['bleu']:.2f} "
+        f"| {beam['bleu']:.2f} (beam {beam['beam_size']}, α {record['alpha']:g}) |"
+    )
+
+
+def results_markdown(record):
+    """The table row, the signatures and five examples, as a Markdown page."""
+    greedy, beam = record["test_greedy"], record["test_beam"]
+    lines = [
+        f"# Results of the `{record['profile']}` profile",
+        "",
+        RESULTS_HEADER,
+        results_row(record),
+        "",
+        f"Model: {record['chosen']}, chosen on the validation split. sacreBLEU "
+        f"signature: `{greedy['signature']}`. Lowercased BLEU on spaCy tokens: "
+        f"{greedy['bleu_lowercase_spacy']:.2f} greedy, "
+        f"{beam['bleu_lowercase_spacy']:.2f} beam.",
+        "",
+        "| German | Reference | Greedy | Beam |",
+        "|---|---|---|---|",
+    ]
+    if record.get("stopped_by_time_limit"):
+        lines[5:5] = [
+            f"**Shorter than its budget:** {record['stopped_by_time_limit']}",
+            "",
+        ]
+    lines += [
+        "| "
+        + " | ".join(
+            _table_cell(e[k]) for k in ("source", "reference", "greedy", "beam")
+        )
+        + " |"
+        for e in record["examples"]
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _table_cell(text):
+    """Text safe inside a Markdown table cell: <unk> shown, not taken for HTML."""
+    return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def chart_training_curve(history, title=""):
+    """Training (label-smoothed) loss and validation NLL per epoch."""
+    alt = load_altair()
+    import pandas as pd
+
+    frame = pd.DataFrame(
+        [
+            {"epoch": r["epoch"], "loss per token": r[key], "curve": name}
+            for r in history
+            for key, name in (
+                ("train_loss_smoothed", "training (label-smoothed)"),
+                ("val_nll", "validation (negative log-likelihood)"),
+            )
+        ]
+    )
+    return (
+        alt.Chart(frame, title=title)
+        .mark_line(point=True)
+        .encode(x="epoch:Q", y="loss per token:Q", color="curve:N")
+        .properties(width=420, height=260)
+    )
+
+
+def _write_results(record, results_dir, images_dir):
+    """results/<profile>.json and .md, and the training curve in images_dir."""
+    import json
+
+    results_dir.mkdir(parents=True, exist_ok=True)
+    name = record["profile"]
+    atomic_write_text(results_dir / f"{name}.json", json.dumps(record, indent=1))
+    atomic_write_text(results_dir / f"{name}.md", results_markdown(record))
+    written = [results_dir / f"{name}.json", results_dir / f"{name}.md"]
+    if images_dir is not None:
+        curve = chart_training_curve(record["history"], f"{name} profile")
+        written.append(save_png(curve, Path(images_dir) / f"training_curve_{name}.png"))
+    for path in written:
+        print(f"wrote {path}")

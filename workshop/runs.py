@@ -1,0 +1,802 @@
+"""Training runs on Multi30k: profiles, checkpoints written atomically, resuming, a
+time limit, bfloat16 where it pays, and several processes (DistributedDataParallel).
+
+The model, the loop and the loss are the book's; a run adds what an hour-long job
+needs, and puts workshop.fast's CPU speed tricks into the model it trains.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import the_annotated_transformer as tat
+from the_annotated_transformer import (
+    PAD,
+    SPECIALS,
+    DataError,
+    SimpleLossCompute,
+    SubwordVocab,
+    TokenBudgetBatchSampler,
+    TrainState,
+    Translator,
+    Vocab,
+    average,
+    check_positive_int,
+    count_parameters,
+    make_optimizer,
+    prepare_data,
+    run_epoch,
+)
+from workshop import fast, multi30k
+
+
+@dataclass
+class RunConfig(tat.TrainConfig):
+    """The book's TrainConfig, with what a long run adds: a profile name, bfloat16,
+    checkpoints kept, logging and a time limit."""
+
+    profile: str = "quick"
+    bf16: bool = False
+    keep_checkpoints: int = 5
+    log_every: int = 50
+    time_limit: float | None = None  # minutes: start no epoch that would end later
+
+    @classmethod
+    def from_profile(cls, name="quick", **overrides):
+        """The named profile, with some fields overridden."""
+        if name not in TRAIN_PROFILES:
+            raise ValueError(
+                f"unknown profile {name!r}; choose one of {sorted(TRAIN_PROFILES)}."
+            )
+        return cls.from_dict({**TRAIN_PROFILES[name], "profile": name, **overrides})
+
+    @classmethod
+    def from_dict(cls, values):
+        """Build from a dict, rejecting unknown keys with a clear message."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown TrainConfig field(s) {unknown}; known: {sorted(known)}."
+            )
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def to_dict(self):
+        return asdict(self)
+
+    def validate(self):
+        check_positive_int(
+            N=self.N,
+            d_model=self.d_model,
+            d_ff=self.d_ff,
+            h=self.h,
+            max_tokens=self.max_tokens,
+            accum_iter=self.accum_iter,
+            warmup=self.warmup,
+            max_len=self.max_len,
+            min_freq=self.min_freq,
+        )
+        if self.max_len < 3:
+            raise ValueError(
+                f"max_len must be at least 3 (<s>, a word, </s>), got {self.max_len}."
+            )
+        if self.epochs < 0:
+            raise ValueError(f"epochs must be >= 0, got {self.epochs}.")
+        if self.time_limit is not None and not self.time_limit > 0:
+            raise ValueError(
+                f"time_limit is in minutes and must be > 0 (or None), got "
+                f"{self.time_limit!r}."
+            )
+        if self.d_model % self.h:
+            raise ValueError(f"d_model={self.d_model} must be divisible by h={self.h}.")
+        if self.vocab not in ("word", "bpe"):
+            raise ValueError(f"vocab must be 'word' or 'bpe', got {self.vocab!r}.")
+        check_positive_int(bpe_vocab_size=self.bpe_vocab_size)
+        if self.bpe_vocab_size < len(SPECIALS) + 256:
+            raise ValueError(
+                f"bpe_vocab_size must be at least {len(SPECIALS) + 256} (the four "
+                f"specials and the 256 bytes), got {self.bpe_vocab_size}."
+            )
+        if self.share_embeddings and self.vocab != "bpe":
+            raise ValueError(
+                "share_embeddings=True needs one vocabulary for German and English: "
+                "set vocab='bpe' (a joint subword vocabulary), or leave "
+                "share_embeddings off."
+            )
+
+
+TRAIN_PROFILES = {
+    "smoke": {**tat.PROFILES["smoke"], "log_every": 10},
+    "quick": tat.PROFILES["quick"],
+    # The README's Results: a fixed budget of 7 epochs, about an hour on a 2-core
+    # CPU. The time limit only guards much slower machines; a run it stops says so.
+    "multi30k": dict(
+        N=3,
+        d_model=256,
+        d_ff=1024,
+        h=8,
+        dropout=0.2,
+        max_tokens=3000,
+        warmup=400,
+        epochs=7,
+        time_limit=90,
+    ),
+    "base": tat.PROFILES["full"],
+}
+
+
+def prepare_run_data(config, data_dir, vocabs=None):
+    """The book's prepare_data for a run: the files checked against their published
+    digests first, and one joint subword vocabulary learned when vocab is "bpe"."""
+    config.validate()
+    for split in ("train", "val"):
+        multi30k.verify_split(data_dir, split)
+    if vocabs is None and config.vocab == "bpe":
+        train = tat.read_split(data_dir, "train")[: config.max_train_pairs]
+        texts = (text for pair in train for text in pair)
+        shared = SubwordVocab.build(texts, config.bpe_vocab_size)
+        vocabs = shared, shared
+    return prepare_data(
+        data_dir,
+        max_len=config.max_len,
+        min_freq=config.min_freq,
+        max_train_pairs=config.max_train_pairs,
+        vocabs=vocabs,
+    )
+
+
+def make_run_model(config, src_vocab, tgt_vocab):
+    """The book's model for `config`, with the CPU-friendly dropout of fast.py."""
+    return fast.use_fast_dropout(config.make_model(src_vocab, tgt_vocab))
+
+
+def load_translator(path, device=None):
+    """A book Translator for a checkpoint written by `train` (or `average`)."""
+    model, vocab_src, vocab_tgt, config = model_from_checkpoint(
+        load_checkpoint(path), device or tat.default_device(), path
+    )
+    return Translator(model, vocab_src, vocab_tgt, config)
+
+
+def decoding(beam_size=1, alpha=0.6):
+    """Translator.translate's options for greedy (beam_size 1, with the key/value
+    cache) or beam search of `beam_size` with length-penalty exponent `alpha`."""
+    if beam_size > 1:
+        return dict(decode=tat.beam_search, beam_size=beam_size, alpha=alpha)
+    return dict(decode=tat.cached_greedy_decode)
+
+
+def atomic_write_text(path, text):
+    """Write text to `path` through a temporary file and a rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def subword_vocab_from_json(text):
+    """The SubwordVocab whose tokenizer SubwordVocab.to_json wrote as `text`."""
+    from tokenizers import Tokenizer
+
+    try:
+        return SubwordVocab(Tokenizer.from_str(text))
+    except Exception as error:  # tokenizers raises a plain Exception
+        raise DataError(f"not a saved SubwordVocab ({error}).") from error
+
+
+def save_vocab(vocab, path):
+    """Write a Vocab (its tokens) or a SubwordVocab (its tokenizer) as JSON."""
+    if isinstance(vocab, SubwordVocab):
+        atomic_write_text(path, vocab.to_json())
+    else:
+        itos = {"itos": vocab.get_itos()}
+        atomic_write_text(path, json.dumps(itos, ensure_ascii=False))
+
+
+def load_vocab(path):
+    """A vocabulary written by save_vocab, of either kind."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        data = json.loads(text)
+        if isinstance(data, dict) and "itos" in data:
+            return Vocab(data["itos"])
+        return subword_vocab_from_json(text)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise DataError(f"{path} is not a saved vocabulary ({error}).") from error
+
+
+def save_checkpoint(path, state):
+    """torch.save `state` to `path` atomically (temporary file, fsync, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _weights_only(state_dict):
+    """A state dict without the positional-encoding tables, which are recomputed."""
+    return {k: v for k, v in state_dict.items() if not k.endswith(".pe")}
+
+
+def load_checkpoint(path, map_location="cpu"):
+    """Load a checkpoint written by save_checkpoint (tensors and plain data only)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"checkpoint {path} not found. Train one with `python "
+            "the_annotated_transformer.py train --data-dir DIR --out DIR`."
+        )
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as error:  # torch raises several types for a damaged file
+        raise DataError(
+            f"{path} is not a readable checkpoint: it is damaged, truncated or not "
+            f"a file written by `train` (torch.load: {type(error).__name__}). Pass "
+            "a .pt written by `train`."
+        ) from None
+
+
+def vocabs_from_checkpoint(checkpoint):
+    """(vocab_src, vocab_tgt) of a loaded checkpoint; one SubwordVocab for "bpe"."""
+    if checkpoint["config"].get("vocab", "word") == "bpe":
+        if "bpe" not in checkpoint:
+            raise DataError(
+                "this checkpoint was trained with vocab='bpe' but holds no subword "
+                "vocabulary (no 'bpe' entry); it is incomplete."
+            )
+        shared = subword_vocab_from_json(checkpoint["bpe"])
+        return shared, shared
+    return Vocab(checkpoint["vocab_src"]), Vocab(checkpoint["vocab_tgt"])
+
+
+def model_from_checkpoint(checkpoint, device="cpu", path="the checkpoint"):
+    """Rebuild (model, vocab_src, vocab_tgt, config) from a loaded checkpoint."""
+    is_dict = isinstance(checkpoint, dict)
+    missing = [k for k in ("model", "config") if not is_dict or k not in checkpoint]
+    if missing:
+        raise DataError(
+            f"{path} is not a model checkpoint of this project (it lacks "
+            f"{missing}); a bare state dict loads with "
+            "model.load_state_dict in Python. Pass a .pt written by `train`."
+        )
+    try:
+        config = RunConfig.from_dict(checkpoint["config"])
+    except (ValueError, TypeError) as error:
+        raise DataError(
+            f"{path} holds settings this code cannot use: {error}"
+        ) from None
+    vocab_src, vocab_tgt = vocabs_from_checkpoint(checkpoint)
+    model = config.make_model(len(vocab_src), len(vocab_tgt))
+    try:
+        model.load_state_dict(checkpoint["model"])
+    except RuntimeError as error:
+        first = str(error).strip().splitlines()[-1].strip()
+        raise DataError(
+            f"{path}: its weights do not fit the model its settings describe "
+            f"({first}). The file is damaged or was edited; use another checkpoint."
+        ) from None
+    return model.to(device).eval(), vocab_src, vocab_tgt, config
+
+
+def epoch_files(out_dir):
+    """A run's `epoch_NNN.pt` files, ordered by their epoch number."""
+    found = []
+    for path in Path(out_dir).glob("epoch_*.pt"):
+        number = path.stem.removeprefix("epoch_")
+        if number.isdigit():
+            found.append((int(number), path))
+    return [path for _, path in sorted(found)]
+
+
+def refuse_existing_run(out_dir, ways_on):
+    """Raise a RunExistsError if `out_dir` already holds a training run."""
+    out_dir = Path(out_dir)
+    held = [p.name for p in [out_dir / "last.pt", *epoch_files(out_dir)] if p.exists()]
+    if held:
+        raise RunExistsError(
+            f"{out_dir} already holds a training run ({', '.join(held[:3])}"
+            f"{', ...' if len(held) > 3 else ''}); {ways_on}"
+        )
+
+
+class RunExistsError(ValueError):
+    """A new run would write into the folder of an earlier one."""
+
+
+def bf16_matmul_speedup(device="cpu", tokens=512, d_model=256, repeats=2):
+    """Time of a float32 matrix product over that of a bfloat16 one on `device`.
+
+    The product has a feed-forward layer's shape: (tokens, d_model) @ (d_model,
+    2 * d_model), 134 million operations at the defaults.
+    """
+    device = torch.device(device)
+    a = torch.randn(tokens, d_model, device=device)
+    b = torch.randn(d_model, 2 * d_model, device=device)
+
+    def fastest(x, y):
+        times = []
+        for _ in range(repeats + 1):  # the first call also pays one-time set-up
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            x @ y
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        return min(times[1:])
+
+    return fastest(a, b) / fastest(a.bfloat16(), b.bfloat16())
+
+
+def amp_dtype_for(bf16, device, say=print, distributed=False):
+    """torch.bfloat16 if bf16 autocast is asked for and pays on `device`, else None."""
+    if not bf16:
+        return None
+    speedup = bf16_matmul_speedup(device)
+    pays = torch.tensor(float(speedup >= 1.0))
+    if distributed:  # every process must train in the same precision
+        pays = pays.to(device)
+        torch.distributed.all_reduce(pays, op=torch.distributed.ReduceOp.MIN)
+    if bool(pays.item()):
+        return torch.bfloat16
+    say(
+        f"--bf16 ignored: bfloat16 matrix products run at {speedup:.2f}x the float32 "
+        f"speed on this {device.type.upper()} (no bfloat16 hardware), so this run "
+        "trains in float32."
+    )
+    return None
+
+
+def _device_for(rank, device=None):
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def train_worker(
+    rank,
+    world_size,
+    config,
+    data_dir,
+    out_dir,
+    *,
+    resume=False,
+    quiet=False,
+    device=None,
+    distributed=None,
+    data=None,
+):
+    """Train (one process of) a Multi30k model; returns the per-epoch history."""
+    distributed = world_size > 1 if distributed is None else distributed
+    device = _device_for(rank, device)
+    is_main = rank == 0
+    say = print if (is_main and not quiet) else (lambda *a, **k: None)
+    if distributed:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
+    try:
+        return _train(
+            config,
+            data_dir,
+            Path(out_dir),
+            resume,
+            device,
+            rank,
+            world_size,
+            distributed,
+            is_main,
+            say,
+            data,
+        )
+    finally:
+        if distributed:
+            torch.distributed.destroy_process_group()
+
+
+def _data_fits(data, config, vocabs):
+    """Whether prepared `data` uses the config's kind of vocabulary (and `vocabs`)."""
+    if isinstance(data.vocab_src, Vocab) != (config.vocab == "word"):
+        return False
+    return vocabs is None or data.vocab_src.get_itos() == vocabs[0].get_itos()
+
+
+def _train(
+    config,
+    data_dir,
+    out_dir,
+    resume,
+    device,
+    rank,
+    world_size,
+    distributed,
+    is_main,
+    say,
+    data,
+):
+    checkpoint = load_checkpoint(out_dir / "last.pt") if resume else None
+    vocabs = None
+    if checkpoint is not None:  # train_model has checked `config` against the run
+        vocabs = vocabs_from_checkpoint(checkpoint)
+    if data is not None and not _data_fits(data, config, vocabs):
+        data = None  # prepared for another kind of vocabulary, or other words
+    if data is None:
+        say(f"reading and tokenizing Multi30k from {data_dir} ...")
+        data = prepare_run_data(config, data_dir, vocabs)
+    say(
+        f"vocabularies: {len(data.vocab_src)} German, {len(data.vocab_tgt)} English "
+        f"tokens; {len(data.splits['train'])} training pairs; device {device}"
+        + (f"; {world_size} processes" if distributed else "")
+    )
+    for split, n in (data.cut or {}).items():
+        if n:
+            say(f"{split}: {n} pairs longer than max_len={config.max_len} ids were cut")
+    torch.manual_seed(config.seed)
+    model = make_run_model(config, len(data.vocab_src), len(data.vocab_tgt)).to(device)
+    module = model
+    optimizer, scheduler = make_optimizer(
+        module, config.base_lr, config.d_model, config.factor, config.warmup
+    )
+    train_state, start_epoch, history, spent = TrainState(), 0, [], 0.0
+    if checkpoint is not None:
+        module.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        scheduler.load_state_dict(checkpoint["scheduler"])
+        train_state = TrainState(**checkpoint["train_state"])
+        start_epoch, history = checkpoint["epoch"] + 1, list(checkpoint["history"])
+        spent = checkpoint.get("elapsed", 0.0)
+        say(
+            f"resuming {out_dir / 'last.pt'} (profile {config.profile}): "
+            f"{start_epoch} of {config.epochs} epochs done, {spent / 60:.1f} min spent"
+        )
+    if distributed:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index] if device.type == "cuda" else None
+        # The only buffers are the positional-encoding tables, which never change:
+        # nothing to broadcast before each forward pass.
+        model = DistributedDataParallel(module, device_ids=ids, broadcast_buffers=False)
+    say(f"model: {count_parameters(module):,} parameters")
+    criterion = fast.LabelSmoothing(len(data.vocab_tgt), PAD, config.label_smoothing)
+    loss_compute = SimpleLossCompute(module.generator, criterion)
+    sampler = TokenBudgetBatchSampler(
+        data.lengths("train"),
+        config.max_tokens,
+        seed=config.seed,
+        num_replicas=world_size,
+        rank=rank,
+    )
+    val_sampler = TokenBudgetBatchSampler(
+        data.lengths("val"), config.max_tokens, shuffle=False
+    )
+    amp = amp_dtype_for(config.bf16, device, say, distributed)
+    began = time.perf_counter() - spent  # the run's clock, resumed runs included
+    epoch_seconds = history[-1]["seconds"] if history else 0.0
+    last = checkpoint  # what last.pt holds: marked if the time limit stops the run
+    for epoch in range(start_epoch, config.epochs):
+        if _out_of_time(config, began, epoch_seconds, device, distributed):
+            stop = (
+                f"time limit: {config.time_limit:g} minutes would pass during epoch "
+                f"{epoch + 1}; stopped after {epoch} of the {config.epochs} epochs."
+            )
+            say(f"{stop} This run is shorter than its profile's budget.")
+            if is_main and last is not None:
+                save_checkpoint(out_dir / "last.pt", last | {"stopped": stop})
+            break
+        epoch_began = time.perf_counter()
+        sampler.set_epoch(epoch)
+        torch.manual_seed(epoch_seed(config.seed, epoch, rank))
+        say(f"epoch {epoch + 1}/{config.epochs}: {len(sampler)} batches per process")
+        start = time.perf_counter()
+        tokens_before = train_state.tokens
+        train_loss, train_state = run_epoch(
+            tat.on_device(data.batches("train", sampler), device),
+            model,
+            loss_compute,
+            optimizer,
+            scheduler,
+            mode="train+log",
+            accum_iter=config.accum_iter,
+            train_state=train_state,
+            quiet=not is_main or say is not print,
+            log_every=config.log_every,
+            amp_dtype=amp,
+        )
+        seconds = time.perf_counter() - start
+        val_nll, _ = run_epoch(
+            tat.on_device(data.batches("val", val_sampler), device),
+            module,
+            loss_compute,
+            mode="eval",
+            amp_dtype=amp,
+        )
+        record = {
+            "epoch": epoch + 1,
+            "train_loss_smoothed": train_loss,
+            "val_nll": val_nll,
+            "val_ppl": math.exp(val_nll),
+            "seconds": seconds,
+            "tokens_per_s": (train_state.tokens - tokens_before) * world_size / seconds,
+        }
+        history.append(record)
+        say(
+            f"epoch {epoch + 1}: train loss (label-smoothed) {train_loss:.3f} | "
+            f"validation NLL {val_nll:.3f}, perplexity {record['val_ppl']:.2f} | "
+            f"{seconds:.0f} s, {record['tokens_per_s']:.0f} target tokens/s"
+        )
+        if is_main:
+            last = _save_epoch(
+                out_dir,
+                config,
+                data,
+                module,
+                optimizer,
+                scheduler,
+                train_state,
+                epoch,
+                history,
+                elapsed=time.perf_counter() - began,
+            )
+        epoch_seconds = time.perf_counter() - epoch_began
+    return history
+
+
+def epoch_seed(seed, epoch, rank=0):
+    """The seed of one process's epoch: distinct for every (seed, epoch, rank)."""
+    return int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0])
+
+
+def _out_of_time(config, began, epoch_seconds, device, distributed):
+    """Would one more epoch, as long as the last, end after config.time_limit?
+
+    The first epoch of a run always starts. Under DDP every process must
+    agree, so the slowest one's answer counts.
+    """
+    if config.time_limit is None or epoch_seconds == 0:
+        return False
+    elapsed = time.perf_counter() - began
+    late = torch.tensor(float(elapsed + epoch_seconds > 60 * config.time_limit))
+    if distributed:
+        late = late.to(device)
+        torch.distributed.all_reduce(late, op=torch.distributed.ReduceOp.MAX)
+    return bool(late.item())
+
+
+def _save_epoch(
+    out_dir,
+    config,
+    data,
+    module,
+    optimizer,
+    scheduler,
+    train_state,
+    epoch,
+    history,
+    elapsed,
+):
+    """Write epoch_NNN.pt and last.pt, prune old epochs; returns last.pt's state."""
+    from dataclasses import asdict
+
+    weights = {
+        "model": _weights_only(module.state_dict()),
+        "config": config.to_dict(),
+        "epoch": epoch,
+        "vocab_src": data.vocab_src.get_itos(),
+        "vocab_tgt": data.vocab_tgt.get_itos(),
+    }
+    if config.vocab == "bpe":
+        weights["bpe"] = data.vocab_src.to_json()
+    save_checkpoint(out_dir / f"epoch_{epoch + 1:03d}.pt", weights)
+    last = {
+        **weights,
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "train_state": asdict(train_state),
+        "history": history,
+        "elapsed": elapsed,  # seconds of the run so far: the time limit's clock
+    }
+    save_checkpoint(out_dir / "last.pt", last)
+    if config.vocab == "bpe":
+        save_vocab(data.vocab_src, out_dir / "bpe.json")
+    else:
+        save_vocab(data.vocab_src, out_dir / "vocab_src.json")
+        save_vocab(data.vocab_tgt, out_dir / "vocab_tgt.json")
+    for path in epoch_files(out_dir)[: -config.keep_checkpoints]:
+        path.unlink()
+    return last
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned_worker(rank, world_size, config, data_dir, out_dir, resume, quiet):
+    train_worker(
+        rank,
+        world_size,
+        config,
+        data_dir,
+        out_dir,
+        resume=resume,
+        quiet=quiet,
+        distributed=True,
+    )
+
+
+def resume_config(out_dir, **changes):
+    """The settings of the run in `out_dir`, with more `epochs` if asked for.
+
+    Any other change is refused: a resumed run continues the run it resumes.
+    """
+    path = Path(out_dir) / "last.pt"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"--resume: there is no {path} to continue from. Train without --resume "
+            "first, or point --out at an earlier run."
+        )
+    checkpoint = load_checkpoint(path)
+    if not isinstance(checkpoint, dict) or "config" not in checkpoint:
+        raise DataError(
+            f"{path} holds no training settings: it is not a run's last.pt."
+        )
+    run = RunConfig.from_dict(checkpoint["config"]).to_dict()
+    changed = {k: v for k, v in changes.items() if k != "epochs" and run.get(k) != v}
+    if changed:
+        listed = ", ".join(
+            f"{k}={v!r} (the run has {run.get(k)!r})" for k, v in changed.items()
+        )
+        raise ValueError(
+            f"--resume continues {out_dir} with its own settings, and these differ: "
+            f"{listed}. Drop those options, or start a new run with another --out."
+        )
+    done = checkpoint.get("epoch", -1) + 1
+    epochs = changes.get("epochs", run["epochs"])
+    if epochs <= done:
+        raise ValueError(
+            f"--resume: {out_dir} has finished its {done} epochs; pass --epochs N "
+            f"with N above {done} to train it further."
+        )
+    return RunConfig.from_dict({**run, "epochs": epochs})
+
+
+def _check_nprocs(nprocs):
+    """Refuse more processes than GPUs (or, without GPUs, than CPU cores)."""
+    check_positive_int(nprocs=nprocs)
+    if torch.cuda.is_available():
+        have, what = torch.cuda.device_count(), "GPUs"
+    else:
+        have, what = os.cpu_count() or 1, "CPU cores"
+    if nprocs > have:
+        raise ValueError(
+            f"--nprocs {nprocs}: this machine has {have} {what}; ask for at most "
+            f"{have} processes."
+        )
+
+
+def train_model(config, data_dir, out_dir, *, resume=False, nprocs=1, quiet=False):
+    """Train on Multi30k in this process, under torchrun, or in `nprocs` processes.
+
+    A new run needs a folder that holds no run; `resume=True` continues the run in
+    `out_dir` (config None: its own settings; otherwise only `epochs` may differ).
+    """
+    out_dir = Path(out_dir)
+    _check_nprocs(nprocs)
+    if resume:
+        changes = {} if config is None else config.to_dict()
+        config = resume_config(out_dir, **changes)
+    else:
+        config.validate()
+        refuse_existing_run(
+            out_dir,
+            "continue it with --resume, or give another --out for a new run.",
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        device = _device_for(int(os.environ.get("LOCAL_RANK", rank)))
+        return train_worker(
+            rank,
+            world,
+            config,
+            data_dir,
+            out_dir,
+            resume=resume,
+            quiet=quiet,
+            device=device,
+            distributed=world > 1,
+        )
+    if nprocs > 1:
+        import torch.multiprocessing as mp
+
+        rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        saved = {key: os.environ.get(key) for key in rendezvous}
+        os.environ.update({k: v for k, v in rendezvous.items() if saved[k] is None})
+        try:
+            mp.spawn(
+                _spawned_worker,
+                nprocs=nprocs,
+                args=(nprocs, config, data_dir, out_dir, resume, quiet),
+            )
+        finally:  # leave the caller's environment as it was
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+        return load_checkpoint(out_dir / "last.pt")["history"]
+    return train_worker(0, 1, config, data_dir, out_dir, resume=resume, quiet=quiet)
+
+
+CHECKPOINT_KEYS = ("model", "config", "vocab_src", "vocab_tgt")
+
+
+def _check_same_run(first_path, first, path, checkpoint):
+    """Raise a DataError unless two checkpoints share settings and vocabularies."""
+    a, b = first["config"], checkpoint["config"]
+    keys = sorted((set(a) | set(b)) - {"epochs"})  # resuming may extend the epochs
+    differ = [k for k in keys if a.get(k) != b.get(k)]
+    if differ:
+        listed = ", ".join(f"{k}={a.get(k)!r} vs {b.get(k)!r}" for k in differ)
+        raise DataError(
+            f"{path} and {first_path} have different settings ({listed}); only "
+            "checkpoints of one training run can be averaged."
+        )
+    for side in ("vocab_src", "vocab_tgt", "bpe"):
+        if first.get(side) != checkpoint.get(side):
+            raise DataError(
+                f"{path} and {first_path} have different {side} vocabularies; only "
+                "checkpoints of one training run can be averaged."
+            )
+
+
+def average_checkpoints(paths, out):
+    """Average checkpoints of one run into a new checkpoint `out`; returns the model."""
+    paths = [Path(p) for p in paths]
+    if not paths:
+        raise ValueError("average: name at least one checkpoint to average.")
+    checkpoints = [load_checkpoint(p) for p in paths]
+    for path, checkpoint in zip(paths, checkpoints, strict=True):
+        missing = [key for key in CHECKPOINT_KEYS if key not in checkpoint]
+        if missing:
+            raise DataError(f"{path} is not a model checkpoint (it lacks {missing}).")
+        _check_same_run(paths[0], checkpoints[0], path, checkpoint)
+    first = checkpoints[0]
+    model = model_from_checkpoint(first, path=paths[0])[0]
+    average(model, [checkpoint["model"] for checkpoint in checkpoints])
+    averaged = {
+        "model": _weights_only(model.state_dict()),
+        "config": first["config"],
+        "epoch": max(checkpoint.get("epoch", 0) for checkpoint in checkpoints),
+        "vocab_src": first["vocab_src"],
+        "vocab_tgt": first["vocab_tgt"],
+        "averaged_from": [str(path) for path in paths],
+    }
+    if "bpe" in first:  # a subword run: keep its vocabulary
+        averaged["bpe"] = first["bpe"]
+    save_checkpoint(out, averaged)
+    return model
