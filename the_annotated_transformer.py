@@ -190,7 +190,7 @@ def default_device():
 # ![The model as this book builds it: an encoder stack and a decoder stack of pre-norm
 # layers, joined by the memory, and a generator on top](../images/architecture.png)
 #
-# The diagram above (drawn by our own code; see *Figures* at the end) is the model as
+# The diagram above (drawn by our own code, `workshop/figures.py`) is the model as
 # this book computes it. `EncoderDecoder` wires its five parts together: the two
 # embeddings, the encoder, the decoder and the generator; each is defined below.
 
