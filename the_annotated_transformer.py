@@ -3354,7 +3354,7 @@ show_example(example_average_is_the_mean)
 
 
 # %% [markdown]
-# ## Part 4: Results
+# ## Part 5: Results
 #
 # ### BLEU
 #
