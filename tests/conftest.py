@@ -1,6 +1,7 @@
 """Shared test setup: make the book's module importable from the repository root."""
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +14,26 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 import the_annotated_transformer as tat  # noqa: E402  (needs the path above)
+
+
+def run_python(code):
+    """Run `code` in a fresh Python process from the repository root."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def point_data_at(folder, tmp_path, monkeypatch):
+    """Leave the data variable unset (folder None) or point it at an empty folder."""
+    if folder is None:
+        monkeypatch.delenv(tat.DATA_ENV, raising=False)
+    else:
+        monkeypatch.setenv(tat.DATA_ENV, str(tmp_path))
 
 
 def data_dir_or_skip(environ):

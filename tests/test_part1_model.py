@@ -10,14 +10,13 @@ import behaviour.
 import copy
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_python
 from torch import nn
 
 import the_annotated_transformer as tat
@@ -910,17 +909,6 @@ def test_model_input_longer_than_max_len_raises_value_error():
 # ---------------------------------------------------------------------------------
 # Importing the module and the untrained-model example
 # ---------------------------------------------------------------------------------
-
-
-def run_python(code):
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 def test_importing_the_module_prints_nothing():

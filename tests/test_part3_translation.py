@@ -27,7 +27,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import data_dir_or_skip
+from conftest import data_dir_or_skip, point_data_at
 from torch import nn
 
 import the_annotated_transformer as tat
@@ -1212,10 +1212,7 @@ def test_notebook_run_trains_the_profile_in_memory_once_with_the_books_model(
 def test_notebook_run_without_data_says_what_to_set_and_trains_nothing(
     folder, fresh_notebook_run, tmp_path, monkeypatch, capsys
 ):
-    if folder is None:
-        monkeypatch.delenv(tat.DATA_ENV, raising=False)
-    else:
-        monkeypatch.setenv(tat.DATA_ENV, str(tmp_path))
+    point_data_at(folder, tmp_path, monkeypatch)
 
     def no_training(*args, **kwargs):
         raise AssertionError("notebook_run trained without data")

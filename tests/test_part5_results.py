@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import point_data_at
 from torch import nn
 
 import the_annotated_transformer as tat
@@ -717,10 +718,7 @@ def test_data_examples_without_data_say_what_is_missing_and_how_to_get_it(
     example, folder, tmp_path, monkeypatch, capsys
 ):
     """The notebook's Part 3 and later cells still run without Multi30k: they skip."""
-    if folder is None:
-        monkeypatch.delenv(tat.DATA_ENV, raising=False)
-    else:
-        monkeypatch.setenv(tat.DATA_ENV, str(tmp_path))
+    point_data_at(folder, tmp_path, monkeypatch)
 
     def no_training(*args, **kwargs):
         raise AssertionError(f"{example} trained a model without data")

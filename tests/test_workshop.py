@@ -9,13 +9,12 @@ random draw, and its fused label-smoothing loss has the book's value and gradien
 import ast
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_python
 from torch import nn
 
 import the_annotated_transformer as tat
@@ -25,17 +24,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKSHOP = REPO_ROOT / "workshop"
 BOOK = "the_annotated_transformer"
 SMALL = {"N": 2, "d_model": 32, "d_ff": 64, "h": 4}
-
-
-def run_python(code):
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 # ---------------------------------------------------------------------------
