@@ -1,9 +1,23 @@
-"""Shared test setup: make the book's module importable from the repository root."""
+"""Shared test setup: make the book's module importable from the repository root.
 
+Below the book's own setup: the fixtures and helpers that tests in more than one file
+use (the book's Part 3 and 5 tests and the workshop package's tests): Multi30k split
+files and a local download server, smoke-profile training runs and their checkpoints,
+and the results' stand-ins and runs.
+"""
+
+import functools
+import gzip
+import http.server
+import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +28,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 import the_annotated_transformer as tat  # noqa: E402  (needs the path above)
+from workshop import multi30k, results, runs  # noqa: E402  (needs it too)
 
 
 def run_python(code):
@@ -26,6 +41,20 @@ def run_python(code):
         timeout=120,
         check=False,
     )
+
+
+def loaded_by_importing_the_book(packages):
+    """Which of `packages` a fresh `import the_annotated_transformer` loads."""
+    code = (
+        "import json, sys\n"
+        "import the_annotated_transformer\n"
+        f"wanted = {sorted(packages)!r}\n"
+        "top = {name.split('.')[0] for name in sys.modules}\n"
+        "print(json.dumps(sorted(top & set(wanted))))\n"
+    )
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
 
 
 def point_data_at(folder, tmp_path, monkeypatch):
@@ -94,3 +123,237 @@ def executed_notebook(multi30k_dir, tmp_path_factory):
     path = folder / "the_annotated_transformer.executed.ipynb"
     nbformat.write(notebook, path)
     return path
+
+
+# ---------------------------------------------------------------------------
+# Multi30k: the training pairs, split files, a local download server
+
+
+@pytest.fixture(scope="session")
+def train_pairs(multi30k_dir):
+    return tat.read_split(multi30k_dir, "train")
+
+
+def texts_of(pairs):
+    """German and English sentences of `pairs`, in the order prepare_data feeds them."""
+    return [text for pair in pairs for text in pair]
+
+
+@pytest.fixture(scope="session")
+def tokenizers():
+    return tat.load_tokenizers()
+
+
+@pytest.fixture(scope="session")
+def vocabs(train_pairs, tokenizers):
+    return tat.build_vocabulary(train_pairs, *tokenizers)
+
+
+@pytest.fixture(scope="session")
+def train_data(multi30k_dir, vocabs):
+    """The whole training split, encoded with the training vocabularies."""
+    return tat.prepare_data(multi30k_dir, splits=("train",), vocabs=vocabs)
+
+
+@pytest.fixture(scope="session")
+def bpe(train_pairs):
+    """The default 8,000-token joint vocabulary, from the whole training split."""
+    return tat.SubwordVocab.build(text for pair in train_pairs for text in pair)
+
+
+def write_lines_gz(path, lines):
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.write("".join(line + "\n" for line in lines))
+
+
+def write_split(folder, name, pairs):
+    """Write (German, English) pairs as NAME.de.gz and NAME.en.gz in `folder`."""
+    for lang, side in (("de", 0), ("en", 1)):
+        with gzip.open(Path(folder) / f"{name}.{lang}.gz", "wt", encoding="utf-8") as f:
+            f.writelines(pair[side] + "\n" for pair in pairs)
+
+
+def names_in(folder):
+    return sorted(p.name for p in Path(folder).iterdir())
+
+
+PROXY_VARIABLES = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY")
+PROXY_VARIABLES += ("all_proxy", "ALL_PROXY")
+
+
+class RecordingHandler(http.server.SimpleHTTPRequestHandler):
+    """Serves a folder and records the name of every file asked for; a file named
+    in `server.cut` is announced whole but sent only half, then the connection
+    closes (an interrupted download)."""
+
+    def do_GET(self):
+        name = self.path.lstrip("/")
+        self.server.requested.append(name)
+        if name not in self.server.cut:
+            return super().do_GET()
+        data = (Path(self.directory) / name).read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data[: len(data) // 2])
+        self.wfile.flush()
+        self.close_connection = True
+
+    def log_message(self, format, *args):  # keep the test output clean
+        pass
+
+
+@pytest.fixture
+def multi30k_server(multi30k_dir, tmp_path, monkeypatch):
+    """An HTTP server on 127.0.0.1 serving copies of the six Multi30k files."""
+    for name in PROXY_VARIABLES:  # talk to 127.0.0.1 directly, never via a proxy
+        monkeypatch.delenv(name, raising=False)
+    folder = tmp_path / "served"
+    folder.mkdir()
+    for name in multi30k.MULTI30K_SHA256:
+        shutil.copyfile(multi30k_dir / name, folder / name)
+    handler = functools.partial(RecordingHandler, directory=str(folder))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.requested, server.cut = [], set()
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        yield SimpleNamespace(
+            url=f"http://127.0.0.1:{server.server_port}/",
+            folder=folder,
+            requested=server.requested,
+            cut=server.cut,
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+# ---------------------------------------------------------------------------
+# Training runs and their checkpoints
+
+
+def smoke_config(**overrides):
+    """The smoke profile on 300 pairs, small batches, two epochs."""
+    settings = dict(max_train_pairs=300, epochs=2, max_tokens=300, keep_checkpoints=1)
+    return runs.RunConfig.from_profile("smoke", **{**settings, **overrides})
+
+
+def train_run(config, multi30k_dir, tmp_path_factory, name):
+    """Train `config` quietly into a fresh folder; returns (out, history)."""
+    out = tmp_path_factory.mktemp(name)
+    history = runs.train_model(config, multi30k_dir, out, quiet=True)
+    return SimpleNamespace(out=out, history=history)
+
+
+@pytest.fixture(scope="session")
+def smoke_run(multi30k_dir, tmp_path_factory):
+    """A two-epoch smoke-profile run, uninterrupted."""
+    return train_run(smoke_config(), multi30k_dir, tmp_path_factory, "smoke_run")
+
+
+# tests/test_part5_results.py and tests/test_workshop_results.py override this one
+# with their own `translator`, loaded from trained_checkpoint.
+@pytest.fixture(scope="module")
+def translator(smoke_run):
+    return runs.load_translator(smoke_run.out / "last.pt", device="cpu")
+
+
+WORDS = ["a", "dog", "runs", "."]
+
+
+def tiny_checkpoint(path, seed, epoch=0, words=WORDS, **overrides):
+    """Save a random smoke-sized model in the format of training's epoch_NNN.pt."""
+    config = runs.RunConfig.from_profile("smoke", **overrides)
+    vocab = list(tat.SPECIALS) + list(words)
+    torch.manual_seed(seed)
+    model = tat.make_model(
+        len(vocab),
+        len(vocab),
+        N=config.N,
+        d_model=config.d_model,
+        d_ff=config.d_ff,
+        h=config.h,
+        norm_first=config.norm_first,
+    )
+    state = {
+        "model": runs._weights_only(model.state_dict()),
+        "config": config.to_dict(),
+        "epoch": epoch,
+        "vocab_src": vocab,
+        "vocab_tgt": vocab,
+    }
+    runs.save_checkpoint(path, state)
+    return state
+
+
+@pytest.fixture(scope="session")
+def trained_checkpoint(multi30k_dir, tmp_path_factory):
+    """last.pt of a one-epoch smoke-profile run on 300 training pairs."""
+    out = tmp_path_factory.mktemp("smoke")
+    config = runs.RunConfig.from_profile("smoke", max_train_pairs=300)
+    runs.train_model(config, multi30k_dir, out, quiet=True)
+    return out / "last.pt"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------
+# Results: BLEU, attention maps, the whole recipe
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+SENTENCE = "Ein Hund läuft im Schnee und ein Hund schläft."
+
+
+class EchoTranslator:
+    """Stands in for a Translator: answers each source with a fixed sentence."""
+
+    def __init__(self, answers):
+        self.answers = answers
+        self.calls = []
+
+    def translate(self, sentences, batch_size=64, **options):
+        self.calls.append((list(sentences), batch_size, options))
+        return [self.answers[s] for s in sentences]
+
+
+HANDMADE_PAIRS = [
+    ("Ein Hund läuft über die Wiese.", "A dog is running across the meadow."),
+    ("Zwei Männer spielen Fußball.", "Two men are playing soccer."),
+    ("Eine Frau liest ein Buch im Park.", "A woman reads a book in the park."),
+]
+
+
+@pytest.fixture(scope="session")
+def mini_split(multi30k_dir, tmp_path_factory):
+    """A folder whose split `mini` is the first 20 validation pairs: (folder, pairs)."""
+    folder = tmp_path_factory.mktemp("mini")
+    pairs = tat.read_split(multi30k_dir, "val")[:20]
+    write_split(folder, "mini", pairs)
+    return folder, pairs
+
+
+@pytest.fixture(scope="session")
+def reproduced(multi30k_dir, tmp_path_factory):
+    """A two-epoch smoke run through reproduce, scored on 20 sentences a split."""
+    root = tmp_path_factory.mktemp("reproduce")
+    record = results.reproduce(
+        "smoke",
+        multi30k_dir,
+        root / "run",
+        root / "results",
+        root / "images",
+        alphas=(0.6, 1.0),
+        limit=20,
+        quiet=True,
+        overrides={"max_train_pairs": 300, "epochs": 2},
+    )
+    return root, record

@@ -1,22 +1,37 @@
-"""The command line: `python the_annotated_transformer.py COMMAND ...`."""
+"""The command line: `python the_annotated_transformer.py COMMAND ...`.
 
-import struct
+Errors and help first, then each command: download (from a local server), translate,
+train (one folder, one run; resuming), average, evaluate, attention and reproduce.
+The commands that need Multi30k find it through $ANNOTATED_TRANSFORMER_DATA: without
+it they are skipped on a laptop, but fail in CI (CI=true). The figures command's
+drawings are checked in tests/test_workshop_figures.py.
+"""
+
+import functools
+import shutil
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from conftest import (
+    HANDMADE_PAIRS,
+    PNG_SIGNATURE,
+    SENTENCE,
+    names_in,
+    smoke_config,
+    tiny_checkpoint,
+    write_split,
+)
 
 import the_annotated_transformer as tat
-from workshop import cli, figures, runs
+from workshop import cli, multi30k, results, runs
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = REPO_ROOT / "the_annotated_transformer.py"
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-CHANNELS = {0: 1, 2: 3, 4: 2, 6: 4}  # PNG colour type -> samples per pixel
 
 
 def run_script(*args, timeout=120):
@@ -28,122 +43,6 @@ def run_script(*args, timeout=120):
         text=True,
         timeout=timeout,
     )
-
-
-def png_chunks(data):
-    """Yield (type, payload) of every chunk, checking each chunk's CRC."""
-    pos = len(PNG_SIGNATURE)
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos : pos + 4])
-        kind = data[pos + 4 : pos + 8]
-        payload = data[pos + 8 : pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
-        assert zlib.crc32(kind + payload) == crc, f"bad CRC in {kind!r} chunk"
-        yield kind, payload
-        pos += 12 + length
-
-
-def unfilter_row(kind, row, prior, bpp):
-    """Undo one PNG scanline filter (types 0-4); rows are uint8 arrays."""
-    if kind == 0:
-        return row
-    if kind == 2:
-        return row + prior  # uint8 arithmetic wraps modulo 256
-    if kind == 1:  # Sub: a running sum along each channel
-        by_pixel = row.reshape(-1, bpp).astype(np.int64)
-        return (np.cumsum(by_pixel, axis=0) % 256).astype(np.uint8).reshape(-1)
-    out = row.astype(np.int64)
-    up = prior.astype(np.int64)
-    for i in range(len(out)):  # Average and Paeth: one byte at a time
-        left = out[i - bpp] if i >= bpp else 0
-        if kind == 3:
-            out[i] = (out[i] + (left + up[i]) // 2) % 256
-        else:
-            upper_left = up[i - bpp] if i >= bpp else 0
-            p = left + up[i] - upper_left
-            pa, pb, pc = abs(p - left), abs(p - up[i]), abs(p - upper_left)
-            pred = left if pa <= pb and pa <= pc else up[i] if pb <= pc else upper_left
-            out[i] = (out[i] + pred) % 256
-    return out.astype(np.uint8)
-
-
-def decode_png(path):
-    """Pixels of an 8-bit, non-interlaced PNG as a (height, width, channels) array."""
-    data = Path(path).read_bytes()
-    assert data[:8] == PNG_SIGNATURE, "not a PNG file"
-    chunks = list(png_chunks(data))
-    assert chunks[0][0] == b"IHDR" and chunks[-1][0] == b"IEND"
-    width, height, depth, colour, _, _, interlace = struct.unpack(
-        ">IIBBBBB", chunks[0][1]
-    )
-    assert depth == 8 and colour in CHANNELS and interlace == 0
-    bpp = CHANNELS[colour]
-    raw = zlib.decompress(b"".join(p for kind, p in chunks if kind == b"IDAT"))
-    stride = 1 + width * bpp
-    assert len(raw) == height * stride
-    rows = np.frombuffer(raw, dtype=np.uint8).reshape(height, stride)
-    pixels = np.zeros((height, width * bpp), dtype=np.uint8)
-    prior = np.zeros(width * bpp, dtype=np.uint8)
-    for y in range(height):
-        prior = pixels[y] = unfilter_row(int(rows[y, 0]), rows[y, 1:], prior, bpp)
-    return pixels.reshape(height, width, bpp)
-
-
-def assert_not_blank(pixels, name):
-    """A drawn chart has many colours and no single colour covering everything."""
-    weights = 256 ** np.arange(pixels.shape[-1], dtype=np.int64)
-    packed = (pixels.astype(np.int64) * weights).sum(axis=-1).ravel()  # one int each
-    colours, counts = np.unique(packed, return_counts=True)
-    assert len(colours) >= 8, f"{name}: only {len(colours)} colours"
-    background_share = counts.max() / len(packed)
-    assert background_share < 0.995, f"{name}: {background_share:.1%} one colour"
-
-
-@pytest.fixture(scope="module")
-def figures_dir(tmp_path_factory):
-    """Every chart of the book, written once through `main`."""
-    out = tmp_path_factory.mktemp("figures")
-    assert cli.main(["figures", "--out", str(out)]) == 0
-    return out
-
-
-def test_figures_command_writes_one_png_per_book_chart(figures_dir):
-    names = set(figures.book_charts()) | set(figures.book_diagrams())
-    assert len(names) >= 9
-    assert {p.name for p in figures_dir.iterdir()} == {f"{n}.png" for n in names}
-
-
-def test_every_figure_is_a_valid_non_blank_png(figures_dir):
-    for name in [*figures.book_charts(), *figures.book_diagrams()]:
-        path = figures_dir / f"{name}.png"
-        assert path.stat().st_size > 5_000, name
-        pixels = decode_png(path)
-        assert pixels.shape[0] > 100 and pixels.shape[1] > 100, name
-        assert_not_blank(pixels, name)
-
-
-def test_diagrams_are_svg_with_the_blocks_they_explain():
-    import xml.etree.ElementTree as ET
-
-    expected = {
-        "architecture": ["Encoder", "Decoder", "Source attention", "Generator"],
-        "scaled_dot_product_attention": ["MatMul", "Scale", "Softmax over the keys"],
-        "multi_head_attention": ["Concat the heads", "Scaled dot-product attention"],
-    }
-    for name, draw in figures.book_diagrams().items():
-        svg = draw()
-        root = ET.fromstring(svg)  # well-formed XML
-        text = " ".join(
-            "".join(t.itertext()) for t in root.iter() if t.tag.endswith("text")
-        )
-        for label in expected[name]:
-            assert label in text, (name, label)
-
-
-def test_a_uniform_image_counts_as_blank():
-    """The check above can fail: a one-colour image does not pass it."""
-    with pytest.raises(AssertionError, match="colours"):
-        assert_not_blank(np.full((50, 50, 4), 255, dtype=np.uint8), "white")
 
 
 def test_figures_command_with_an_unknown_name_exits_2_and_writes_nothing(
@@ -199,7 +98,7 @@ def test_more_processes_than_this_machine_has_exits_2_saying_how_many_it_has(
     assert not (tmp_path / "run").exists()
 
 
-def tiny_checkpoint():
+def tiny_checkpoint_state():
     """A checkpoint as `train` writes it, of a tiny untrained model (no data)."""
     config = runs.RunConfig.from_profile("smoke")
     itos = [*tat.SPECIALS, "ein", "hund", "a", "dog"]
@@ -217,7 +116,7 @@ def tiny_checkpoint():
 def test_translate_with_a_checkpoint_of_the_right_form_prints_a_line(tmp_path):
     """The control for the damaged checkpoints below: the intact one translates."""
     path = tmp_path / "tiny.pt"
-    torch.save(tiny_checkpoint(), path)
+    torch.save(tiny_checkpoint_state(), path)
     result = run_script("translate", "--checkpoint", str(path), "ein hund")
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.splitlines()) == 1
@@ -249,7 +148,7 @@ def test_translate_with_a_damaged_checkpoint_exits_2_with_one_line_naming_it(
     if damage is None:
         path.write_text("these are not the weights you are looking for")
     else:
-        torch.save(damage(tiny_checkpoint()), path)
+        torch.save(damage(tiny_checkpoint_state()), path)
     result = run_script("translate", "--checkpoint", str(path), "ein hund")
     assert_one_line_error(result, "damaged.pt", expected)
 
@@ -258,7 +157,7 @@ def test_translate_with_no_sentences_and_empty_input_exits_2_saying_what_to_pass
     tmp_path,
 ):
     path = tmp_path / "tiny.pt"
-    torch.save(tiny_checkpoint(), path)
+    torch.save(tiny_checkpoint_state(), path)
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "translate", "--checkpoint", str(path)],
         cwd=REPO_ROOT,
@@ -297,3 +196,376 @@ def test_copy_command_trains_and_reports_an_exact_copy():
     result = run_script("copy", "--quiet", timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "exact copy: yes" in result.stdout
+
+
+# ---------------------------------------------------------------------------
+# download
+
+
+def test_download_command_fetches_the_files_and_returns_0(
+    multi30k_server, tmp_path, monkeypatch, capsys
+):
+    local = functools.partial(multi30k.download_multi30k, base_url=multi30k_server.url)
+    monkeypatch.setattr(cli, "download_multi30k", local)
+    target = tmp_path / "data"
+    assert cli.main(["download", "--data-dir", str(target)]) == 0
+    assert names_in(target) == sorted(multi30k.MULTI30K_SHA256)
+    assert "verified" in capsys.readouterr().out
+
+
+def test_download_command_returns_2_naming_a_file_it_could_not_fetch(
+    multi30k_server, tmp_path, monkeypatch, capsys
+):
+    (multi30k_server.folder / "train.en.gz").unlink()
+    local = functools.partial(multi30k.download_multi30k, base_url=multi30k_server.url)
+    monkeypatch.setattr(cli, "download_multi30k", local)
+    assert cli.main(["download", "--data-dir", str(tmp_path / "data")]) == 2
+    assert "train.en.gz" in capsys.readouterr().err
+
+
+def test_download_command_cut_off_mid_file_exits_2_in_one_line_and_keeps_nothing(
+    multi30k_server, tmp_path, monkeypatch, capsys
+):
+    multi30k_server.cut.add("train.de.gz")
+    local = functools.partial(multi30k.download_multi30k, base_url=multi30k_server.url)
+    monkeypatch.setattr(cli, "download_multi30k", local)
+    target = tmp_path / "data"
+    assert cli.main(["download", "--data-dir", str(target)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.de.gz" in err[0]
+    assert "the connection closed after" in err[0]
+    assert "train.de.gz" in multi30k_server.requested
+    assert not [name for name in names_in(target) if "train.de" in name]
+
+
+# ---------------------------------------------------------------------------
+# translate
+
+
+def test_translate_command_names_a_sentence_longer_than_the_models_positions(
+    translator, monkeypatch, capsys
+):
+    """Past the positional encoding's table a sentence must be cut: it is, aloud."""
+    config = translator.config
+    short = tat.make_model(
+        len(translator.vocab_src),
+        len(translator.vocab_tgt),
+        N=config.N,
+        d_model=config.d_model,
+        d_ff=config.d_ff,
+        h=config.h,
+        max_len=30,
+    )
+    short.load_state_dict(runs._weights_only(translator.model.state_dict()))
+    limited = runs.Translator(
+        short.eval(), translator.vocab_src, translator.vocab_tgt, config
+    )
+    monkeypatch.setattr(cli, "load_translator", lambda path, device=None: limited)
+    long = " ".join(["Hund"] * 40)  # 42 ids with <s> and </s>
+    assert cli.main(["translate", "--checkpoint", "x.pt", "Ein Hund.", long]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 2
+    assert err.strip() == (
+        "warning: sentence 2 has 42 tokens, more than the model's 30 positions; "
+        "only its first 30 are translated."
+    )
+
+
+def test_translate_command_prints_one_line_per_sentence(smoke_run, capsys):
+    path = str(smoke_run.out / "last.pt")
+    assert cli.main(["translate", "--checkpoint", path, "Ein Hund läuft."]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1
+
+
+def test_translate_command_with_a_missing_checkpoint_returns_2(tmp_path, capsys):
+    path = tmp_path / "missing.pt"
+    assert cli.main(["translate", "--checkpoint", str(path), "Ein Hund."]) == 2
+    assert "missing.pt" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------
+# train
+
+
+def test_train_command_with_a_folder_without_data_names_the_missing_file(
+    tmp_path, capsys
+):
+    argv = ["train", "--data-dir", str(tmp_path / "no_data"), "--out", str(tmp_path)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "train.de.gz" in err and "download" in err
+
+
+def test_train_command_with_resume_but_no_last_checkpoint_returns_2(tmp_path, capsys):
+    argv = ["train", "--data-dir", str(tmp_path), "--out", str(tmp_path), "--resume"]
+    assert cli.main(argv) == 2
+    assert "last.pt" in capsys.readouterr().err
+
+
+def test_train_command_trains_the_smoke_profile_and_saves_a_checkpoint(
+    multi30k_dir, tmp_path
+):
+    argv = ["train", "--data-dir", str(multi30k_dir), "--out", str(tmp_path)]
+    argv += ["--profile", "smoke", "--epochs", "1", "--max-tokens", "800", "--quiet"]
+    assert cli.main(argv) == 0
+    last = runs.load_checkpoint(tmp_path / "last.pt")
+    assert last["config"]["profile"] == "smoke"
+    assert (last["config"]["epochs"], last["config"]["max_tokens"]) == (1, 800)
+    assert [r["epoch"] for r in last["history"]] == [1]
+
+
+def test_train_command_passes_vocab_size_and_sharing_to_the_config(
+    monkeypatch, tmp_path
+):
+    calls = []
+    monkeypatch.setattr(
+        cli, "train_model", lambda config, *args, **kwargs: calls.append(config)
+    )
+    argv = ["train", "--data-dir", str(tmp_path), "--out", str(tmp_path)]
+    argv += ["--profile", "smoke", "--vocab", "bpe", "--bpe-vocab-size", "2000"]
+    assert cli.main([*argv, "--share-embeddings"]) == 0
+    assert cli.main(argv) == 0
+    shared, unshared = calls
+    assert (shared.vocab, shared.bpe_vocab_size) == ("bpe", 2000)
+    assert shared.share_embeddings and shared.tie_generator
+    assert unshared.vocab == "bpe" and not unshared.share_embeddings
+
+
+def test_train_command_sharing_embeddings_of_word_vocabularies_returns_2(
+    tmp_path, capsys
+):
+    argv = ["train", "--data-dir", str(tmp_path), "--out", str(tmp_path)]
+    assert cli.main([*argv, "--share-embeddings"]) == 2
+    assert "vocab='bpe'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------
+# train: one folder, one run (refusing to mix runs, resuming)
+
+
+def copy_of(run_folder, tmp_path):
+    target = tmp_path / "run"
+    shutil.copytree(run_folder, target)
+    return target
+
+
+def train_argv(multi30k_dir, out, *more):
+    return ["train", "--data-dir", str(multi30k_dir), "--out", str(out), *more]
+
+
+def test_train_into_a_folder_holding_a_run_exits_2_and_leaves_the_run_alone(
+    smoke_run, multi30k_dir, tmp_path, capsys
+):
+    run = copy_of(smoke_run.out, tmp_path)
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    argv = train_argv(multi30k_dir, run, "--profile", "smoke", "--epochs", "1")
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert str(run) in err[0] and "--resume" in err[0] and "--out" in err[0]
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+def test_resume_takes_the_runs_settings_and_extends_only_its_epochs(
+    smoke_run, multi30k_dir, tmp_path, capsys
+):
+    run = copy_of(smoke_run.out, tmp_path)
+    assert cli.main(train_argv(multi30k_dir, run, "--resume", "--epochs", "3")) == 0
+    printed = capsys.readouterr().out
+    assert f"resuming {run / 'last.pt'} (profile smoke): 2 of 3 epochs done" in printed
+    last = runs.load_checkpoint(run / "last.pt")
+    assert last["config"] == smoke_config(epochs=3).to_dict()  # not quick's settings
+    assert [r["epoch"] for r in last["history"]] == [1, 2, 3]
+    assert last["history"][:2] == smoke_run.history
+    assert runs.epoch_files(run) == [run / "epoch_003.pt"]  # keep_checkpoints=1
+
+
+@pytest.mark.parametrize(
+    "more, expected",
+    [
+        ([], "has finished its 2 epochs"),
+        (["--epochs", "2"], "has finished its 2 epochs"),
+        (["--max-tokens", "500"], "max_tokens=500 (the run has 300)"),
+        (["--profile", "quick"], "profile='quick' (the run has 'smoke')"),
+        (["--epochs", "3", "--bf16"], "bf16=True (the run has False)"),
+    ],
+)
+def test_resume_refuses_to_change_a_runs_settings_or_to_train_nothing(
+    smoke_run, multi30k_dir, tmp_path, capsys, more, expected
+):
+    run = copy_of(smoke_run.out, tmp_path)
+    before = (run / "last.pt").read_bytes()
+    assert cli.main(train_argv(multi30k_dir, run, "--resume", *more)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
+    assert (run / "last.pt").read_bytes() == before
+
+
+def test_resume_counts_the_time_limit_from_the_time_the_run_has_spent(
+    multi30k_dir, tmp_path, capsys
+):
+    config = smoke_config(epochs=1, time_limit=60.0)  # an hour: epoch 1 fits
+    runs.train_model(config, multi30k_dir, tmp_path, quiet=True)
+    last = runs.load_checkpoint(tmp_path / "last.pt")
+    assert 0 < last["elapsed"] < 600  # measured: seconds, not an hour
+    runs.save_checkpoint(tmp_path / "last.pt", last | {"elapsed": 3600.0})  # spent
+    argv = train_argv(multi30k_dir, tmp_path, "--resume", "--epochs", "2")
+    assert cli.main(argv) == 0
+    assert "stopped after 1 of the 2 epochs" in capsys.readouterr().out
+    again = runs.load_checkpoint(tmp_path / "last.pt")
+    assert again["epoch"] == 0 and "stopped" in again["stopped"]
+
+
+# ---------------------------------------------------------------------------
+# average
+
+
+def test_average_command_writes_the_averaged_checkpoint_and_returns_0(tmp_path, capsys):
+    tiny_checkpoint(tmp_path / "a.pt", seed=1)
+    tiny_checkpoint(tmp_path / "b.pt", seed=2)
+    argv = ["average", str(tmp_path / "a.pt"), str(tmp_path / "b.pt")]
+    assert cli.main([*argv, "--out", str(tmp_path / "m.pt")]) == 0
+    assert "averaged 2 checkpoints" in capsys.readouterr().out
+    assert set(runs.load_checkpoint(tmp_path / "m.pt")) >= set(runs.CHECKPOINT_KEYS)
+
+
+def test_average_command_returns_2_naming_a_missing_or_mismatched_checkpoint(
+    tmp_path, capsys
+):
+    tiny_checkpoint(tmp_path / "a.pt", seed=1)
+    out = ["--out", str(tmp_path / "m.pt")]
+    assert (
+        cli.main(["average", str(tmp_path / "a.pt"), str(tmp_path / "x.pt"), *out]) == 2
+    )
+    assert "x.pt" in capsys.readouterr().err
+    tiny_checkpoint(tmp_path / "b.pt", seed=2, h=4)
+    assert (
+        cli.main(["average", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), *out]) == 2
+    )
+    assert "h=2 vs 4" in capsys.readouterr().err
+    assert not (tmp_path / "m.pt").exists()
+
+
+# ---------------------------------------------------------------------------
+# evaluate
+
+
+def test_evaluate_command_returns_0_and_writes_one_line_per_sentence(
+    trained_checkpoint, mini_split, tmp_path, capsys
+):
+    folder, pairs = mini_split
+    output = tmp_path / "hyp.en"
+    argv = ["evaluate", "--checkpoint", str(trained_checkpoint), "--data-dir"]
+    argv += [str(folder), "--split", "mini", "--output", str(output)]
+    assert cli.main(argv) == 0
+    assert len(output.read_text(encoding="utf-8").splitlines()) == len(pairs)
+    printed = capsys.readouterr().out
+    assert "mini: 20 sentences translated (greedy)" in printed
+    assert "tok:13a" in printed
+
+
+def test_evaluate_command_with_a_missing_checkpoint_returns_2_naming_it(
+    tmp_path, capsys
+):
+    write_split(tmp_path, "handmade", HANDMADE_PAIRS)
+    argv = ["evaluate", "--checkpoint", str(tmp_path / "missing.pt")]
+    assert cli.main([*argv, "--data-dir", str(tmp_path), "--split", "handmade"]) == 2
+    assert "missing.pt" in capsys.readouterr().err
+
+
+def test_evaluate_command_without_a_data_folder_says_what_to_pass(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.delenv(tat.DATA_ENV, raising=False)
+    assert cli.main(["evaluate", "--checkpoint", str(tmp_path / "c.pt")]) == 2
+    assert "--data-dir" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------
+# attention
+
+
+def attention_argv(checkpoint, out):
+    """The attention command's arguments up to the heads and the sentence."""
+    return ["attention", "--checkpoint", str(checkpoint), "--out", str(out)]
+
+
+def test_attention_command_writes_the_three_maps_as_png(trained_checkpoint, tmp_path):
+    argv = attention_argv(trained_checkpoint, tmp_path)
+    assert cli.main([*argv, "--head", "0", "--head", "1", SENTENCE]) == 0
+    names = sorted(p.name for p in tmp_path.iterdir())
+    kinds = ["decoder_self", "decoder_source", "encoder_self"]
+    assert names == [f"{kind}_attention.png" for kind in kinds]
+    for path in tmp_path.iterdir():
+        assert path.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_attention_command_with_a_head_that_does_not_exist_returns_2(
+    trained_checkpoint, tmp_path, capsys
+):
+    argv = attention_argv(trained_checkpoint, tmp_path)
+    assert cli.main([*argv, "--head", "5", SENTENCE]) == 2
+    assert "heads must be in 0..1" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------
+# reproduce
+
+
+def test_reproduce_command_reports_on_an_existing_run(reproduced, capsys):
+    root, _ = reproduced
+    out = root / "again"
+    code = cli.main(
+        ["reproduce", "--profile", "smoke", "--out", str(root / "run"), "--no-train"]
+        + ["--results", str(out), "--images", str(out), "--limit", "10"]
+        + ["--alphas", "0.6", "--data-dir", str(tat.data_dir_from_env())]
+    )
+    assert code == 0
+    assert (out / "smoke.md").is_file() and (out / "training_curve_smoke.png").is_file()
+    assert "| `smoke` |" in capsys.readouterr().out
+
+
+def test_reproduce_rejects_bad_alphas_and_a_run_without_checkpoints(tmp_path, capsys):
+    code = cli.main(
+        ["reproduce", "--data-dir", str(tmp_path), "--alphas", "0.6,x", "--no-train"]
+    )
+    assert code == 2 and "--alphas takes numbers" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match="no trained run"):
+        results.reproduce("smoke", tmp_path, tmp_path / "empty", None, train=False)
+
+
+def test_reproduce_into_a_folder_holding_a_run_exits_2_and_trains_nothing(
+    reproduced, multi30k_dir, capsys
+):
+    root, _ = reproduced
+    before = {p.name: p.stat().st_mtime_ns for p in (root / "run").iterdir()}
+    argv = ["reproduce", "--profile", "smoke", "--out", str(root / "run")]
+    argv += ["--data-dir", str(multi30k_dir), "--results", str(root / "unused")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already holds a training run" in err[0]
+    assert "--no-train" in err[0]
+    assert {p.name: p.stat().st_mtime_ns for p in (root / "run").iterdir()} == before
+    assert not (root / "unused").exists()
+
+
+def test_reproduce_command_on_an_ascii_console_still_prints_the_row(reproduced):
+    import subprocess
+    import sys
+
+    root, _ = reproduced
+    out = root / "ascii"
+    argv = ["reproduce", "--profile", "smoke", "--out", str(root / "run")]
+    argv += ["--no-train", "--results", str(out), "--images", str(out)]
+    argv += ["--limit", "5", "--alphas", "0.6", "--data-dir"]
+    argv += [str(tat.data_dir_from_env())]
+    result = subprocess.run(
+        [sys.executable, str(Path(tat.__file__)), *argv],
+        capture_output=True,
+        env={**__import__("os").environ, "PYTHONIOENCODING": "ascii"},
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr.decode(errors="replace")
+    assert b"\\u03b1" in result.stdout  # α, escaped
+    assert (out / "smoke.json").is_file()

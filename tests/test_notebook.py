@@ -65,7 +65,7 @@ def test_notebook_executes_end_to_end_with_the_smoke_profile(executed_notebook):
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "exact copy: yes" in text
     assert "reference:" in text and "model:" in text  # translations beside references
-    assert "test 2016, greedy: BLEU =" in text and "test 2016, beam 4: BLEU =" in text
+    assert "test 2016, greedy: BLEU =" in text
     assert "signature: nrefs:1" in text
     folder = executed_notebook.parent  # the model is trained in memory
     assert not (folder / "runs").exists() and not list(folder.rglob("*.pt"))

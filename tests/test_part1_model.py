@@ -8,7 +8,6 @@ import behaviour.
 """
 
 import copy
-import json
 import math
 from pathlib import Path
 
@@ -16,10 +15,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run_python
+from conftest import loaded_by_importing_the_book, run_python
 from torch import nn
 
 import the_annotated_transformer as tat
+from workshop import fast
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 11
@@ -201,20 +201,25 @@ def mha():
     return layer
 
 
-@pytest.mark.parametrize("keep_attention", [False, True], ids=["fused", "explicit"])
-def test_multi_headed_attention_equals_torch_multihead_attention(mha, keep_attention):
-    mha.keep_attention = keep_attention
+def attention_path(module, fused):
+    """`module` with the book's attention, or with the workshop's fused one."""
+    return fast.use_fused_attention(module) if fused else module
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["book", "fused"])
+def test_multi_headed_attention_equals_torch_multihead_attention(mha, fused):
+    mha = attention_path(mha, fused)
     query, key, value = mha_inputs()
     ours = mha(query, key, value)
     expected, _ = torch_mha_with_our_weights(mha)(query, key, value)
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("keep_attention", [False, True], ids=["fused", "explicit"])
+@pytest.mark.parametrize("fused", [False, True], ids=["book", "fused"])
 def test_multi_headed_attention_with_key_padding_mask_equals_torch_multihead_attention(
-    mha, keep_attention
+    mha, fused
 ):
-    mha.keep_attention = keep_attention
+    mha = attention_path(mha, fused)
     query, key, value = mha_inputs()
     keys_kept = torch.tensor([[True, True, True, True, False, False], [True] * 6])
     ours = mha(query, key, value, keys_kept.unsqueeze(-2))
@@ -222,7 +227,7 @@ def test_multi_headed_attention_with_key_padding_mask_equals_torch_multihead_att
         query, key, value, key_padding_mask=~keys_kept, average_attn_weights=False
     )
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
-    if keep_attention:
+    if not fused:
         torch.testing.assert_close(mha.attn, expected_weights, atol=1e-5, rtol=1e-5)
 
 
@@ -241,28 +246,24 @@ def test_fused_and_explicit_attention_paths_agree_in_float32(mha, with_mask):
     if with_mask:
         mask = torch.tensor([[True, False, True, True, False, True], [True] * 6])
         mask = mask.unsqueeze(-2)
-    mha.keep_attention = False
-    fused = mha(query, key, value, mask)
-    mha.keep_attention = True
     explicit = mha(query, key, value, mask)
+    fused = fast.use_fused_attention(copy.deepcopy(mha))(query, key, value, mask)
     torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=1e-5)
 
 
 def test_explicit_path_stores_weights_in_attn_and_fused_path_leaves_it_none(mha):
     query, key, value = mha_inputs()
-    mha.keep_attention = True
     mha(query, key, value)
     assert mha.attn.shape == (2, 4, 4, 6)  # (batch, heads, q_len, k_len)
     torch.testing.assert_close(mha.attn.sum(-1), torch.ones(2, 4, 4))
-    mha.keep_attention = False
-    mha(query, key, value)
+    fast.use_fused_attention(mha)(query, key, value)
     assert mha.attn is None
 
 
 def test_model_can_be_deep_copied_after_a_forward_pass_that_kept_attention():
     # `.attn` is for looking at, so it should not hold on to the autograd graph:
     # a non-leaf tensor there makes copy.deepcopy(model) raise a RuntimeError.
-    model = tat.keep_attention_weights(small_model())
+    model = small_model()
     src, _, src_mask, _ = padded_batch()
     model.encode(src, src_mask)  # with gradients enabled, as in training
     copied = copy.deepcopy(model)
@@ -271,22 +272,21 @@ def test_model_can_be_deep_copied_after_a_forward_pass_that_kept_attention():
     )
 
 
-def test_keep_attention_weights_switches_every_attention_layer_of_a_model():
-    model = tat.keep_attention_weights(small_model())
+def test_use_fused_attention_switches_every_attention_layer_of_a_model():
+    model = small_model()
     layers = [m for m in model.modules() if isinstance(m, tat.MultiHeadedAttention)]
     assert len(layers) == 3 * SMALL["N"]
-    assert all(layer.keep_attention for layer in layers)
-    tat.keep_attention_weights(model, keep=False)
-    assert not any(layer.keep_attention for layer in layers)
+    assert not any(isinstance(layer, fast.FusedAttention) for layer in layers)
+    fast.use_fused_attention(model)
+    assert all(isinstance(layer, fast.FusedAttention) for layer in layers)
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
-@pytest.mark.parametrize("keep_attention", [False, True], ids=["fused", "explicit"])
+@pytest.mark.parametrize("fused", [False, True], ids=["book", "fused"])
 def test_query_with_all_keys_masked_gives_finite_output_in_both_paths(
-    mha, dtype, keep_attention
+    mha, dtype, fused
 ):
-    mha = mha.to(dtype)
-    mha.keep_attention = keep_attention
+    mha = attention_path(mha.to(dtype), fused)
     query, key, value = mha_inputs(dtype=dtype)
     mask = torch.ones(2, 4, 6, dtype=torch.bool)
     mask[:, 1] = False  # query 1 of each sentence may look at nothing
@@ -295,16 +295,16 @@ def test_query_with_all_keys_masked_gives_finite_output_in_both_paths(
     # Its attention output is the zero vector, so W^O maps it to W^O's bias.
     bias = mha.linears[3].bias.detach().expand(2, -1)
     torch.testing.assert_close(out[:, 1].detach(), bias, atol=1e-6, rtol=0)
-    if keep_attention:
+    if not fused:
         assert (mha.attn[:, :, 1] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
-@pytest.mark.parametrize("keep_attention", [False, True], ids=["fused", "explicit"])
+@pytest.mark.parametrize("fused", [False, True], ids=["book", "fused"])
 def test_masked_multi_headed_attention_in_half_precision_is_finite_and_close_to_float32(
-    mha, dtype, keep_attention
+    mha, dtype, fused
 ):
-    mha.keep_attention = keep_attention
+    mha = attention_path(mha, fused)
     half = copy.deepcopy(mha).to(dtype)
     query, key, value = mha_inputs()
     mask = torch.tensor([[True, False, True, True, False, True], [True] * 6])
@@ -317,7 +317,7 @@ def test_masked_multi_headed_attention_in_half_precision_is_finite_and_close_to_
 
 
 def test_model_gives_exactly_zero_weight_to_future_positions_and_padded_keys():
-    model = tat.keep_attention_weights(small_model()).eval()
+    model = small_model().eval()
     src, tgt, src_mask, tgt_mask = padded_batch()
     with torch.no_grad():
         model(src, tgt, src_mask, tgt_mask)
@@ -336,12 +336,12 @@ def test_model_gives_exactly_zero_weight_to_future_positions_and_padded_keys():
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
-@pytest.mark.parametrize("keep_attention", [False, True], ids=["fused", "explicit"])
+@pytest.mark.parametrize("fused", [False, True], ids=["book", "fused"])
 def test_masked_model_runs_in_half_precision_with_finite_log_probabilities(
-    dtype, keep_attention
+    dtype, fused
 ):
     torch.manual_seed(4)
-    model = tat.keep_attention_weights(small_model(), keep_attention).eval()
+    model = attention_path(small_model(), fused).eval()
     src, tgt, src_mask, tgt_mask = padded_batch()
     with torch.no_grad():
         full = model.generator(model(src, tgt, src_mask, tgt_mask))
@@ -623,7 +623,7 @@ def test_make_model_dropout_reaches_every_dropout_layer_including_attention(p):
     assert len(dropouts) == 2 + SMALL["N"] * (4 + 6)
     assert all(d.p == p for d in dropouts)
     # The book's model uses PyTorch's own dropout (the workshop's faster one is
-    # swapped in by training runs only: tests/test_workshop.py).
+    # swapped in by training runs only: tests/test_workshop_fast.py).
     assert all(type(d) is nn.Dropout for d in dropouts)
     attention_layers = [
         m for m in model.modules() if isinstance(m, tat.MultiHeadedAttention)
@@ -638,16 +638,16 @@ def forward_twice(model):
         return [model(src, tgt, src_mask, tgt_mask) for _ in range(2)]
 
 
-@pytest.mark.parametrize("keep_attention", [False, True], ids=["fused", "explicit"])
-def test_eval_mode_is_deterministic_even_with_dropout(keep_attention):
-    model = tat.keep_attention_weights(small_model(dropout=0.5), keep_attention)
+@pytest.mark.parametrize("fused", [False, True], ids=["book", "fused"])
+def test_eval_mode_is_deterministic_even_with_dropout(fused):
+    model = attention_path(small_model(dropout=0.5), fused)
     first, second = forward_twice(model.eval())
     assert torch.equal(first, second)
 
 
-@pytest.mark.parametrize("keep_attention", [False, True], ids=["fused", "explicit"])
-def test_train_mode_with_dropout_gives_different_forward_passes(keep_attention):
-    model = tat.keep_attention_weights(small_model(dropout=0.5), keep_attention)
+@pytest.mark.parametrize("fused", [False, True], ids=["book", "fused"])
+def test_train_mode_with_dropout_gives_different_forward_passes(fused):
+    model = attention_path(small_model(dropout=0.5), fused)
     first, second = forward_twice(model.train())
     assert not torch.allclose(first, second)
 
@@ -919,15 +919,8 @@ def test_importing_the_module_prints_nothing():
 
 
 def test_importing_the_module_does_not_import_plotting_or_language_tools():
-    code = (
-        "import json, sys\n"
-        "import the_annotated_transformer\n"
-        "heavy = ['altair', 'pandas', 'spacy', 'sacrebleu']\n"
-        "print(json.dumps(sorted(m for m in heavy if m in sys.modules)))\n"
-    )
-    result = run_python(code)
-    assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout) == []
+    heavy = ["altair", "pandas", "spacy", "sacrebleu"]
+    assert loaded_by_importing_the_book(heavy) == []
 
 
 def test_inference_test_returns_ten_token_ids_starting_with_the_start_symbol():

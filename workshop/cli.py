@@ -13,12 +13,11 @@ from pathlib import Path
 from the_annotated_transformer import (
     DATA_ENV,
     CopyTaskConfig,
-    DataError,
     data_dir_from_env,
     example_simple_model,
 )
 from workshop.figures import save_attention_maps, save_figures
-from workshop.multi30k import download_multi30k
+from workshop.multi30k import DataError, download_multi30k
 from workshop.results import evaluate, reproduce
 from workshop.runs import (
     TRAIN_PROFILES,

@@ -42,7 +42,7 @@ def save_png(figure, path):
 
 def save_attention_maps(checkpoint, sentence, out_dir, layer=0, heads=None):
     """Write the three attention maps of `sentence` as PNG files; returns the paths."""
-    translator = load_translator(checkpoint)
+    translator = load_translator(checkpoint, fused=False)
     out_dir = Path(out_dir)
     maps = attention_maps(translator, sentence, layer, heads)
     return [save_png(chart, out_dir / f"{name}.png") for name, chart in maps.items()]

@@ -6,7 +6,20 @@ import os
 from pathlib import Path
 
 import the_annotated_transformer as tat
-from the_annotated_transformer import DataError, how_to_get_data
+from the_annotated_transformer import DATA_ENV
+
+
+class DataError(ValueError):
+    """A data file is missing, damaged or inconsistent; the message says what to do."""
+
+
+def how_to_get_data(data_dir):
+    return (
+        f"Download the files with `python the_annotated_transformer.py download "
+        f"--data-dir {data_dir}`, or point --data-dir (or ${DATA_ENV}) at a folder "
+        "that holds them."
+    )
+
 
 MULTI30K_URL = (
     "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/"
@@ -90,24 +103,43 @@ def download_multi30k(data_dir, *, base_url=MULTI30K_URL, quiet=False, timeout=6
 
 
 def verify_split(data_dir, split):
-    """Raise a DataError if a file of `split` differs from the published one.
+    """Raise a DataError that names the file and the fix when a file of `split` is
+    missing, differs from the published one (splits without a published digest,
+    such as other test sets, skip that check), is not gzipped UTF-8 text, or when
+    the two sides have different numbers of lines."""
+    import gzip
+    import zlib
 
-    Splits without a published digest (other test sets) pass unchecked; a missing
-    file is left for read_split to name.
-    """
-    data_dir = Path(data_dir)
+    data_dir, lines = Path(data_dir), []
     for lang in (tat.SRC_LANG, tat.TGT_LANG):
         path = data_dir / f"{split}.{lang}.gz"
+        if not path.is_file():
+            raise DataError(f"{path} not found. {how_to_get_data(data_dir)}")
         expected = MULTI30K_SHA256.get(path.name)
-        if expected is not None and path.is_file() and sha256_of(path) != expected:
+        if expected is not None and sha256_of(path) != expected:
             raise DataError(
                 f"{path} is damaged or truncated (its SHA-256 differs from the "
                 f"published one). Delete it and download it again. "
                 f"{how_to_get_data(data_dir)}"
             )
+        try:
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                lines.append(sum(1 for _ in f))
+        except (OSError, EOFError, zlib.error, UnicodeDecodeError) as error:
+            raise DataError(
+                f"{path} is not a readable gzip file of UTF-8 text ({error}). "
+                f"Delete it and download it again. {how_to_get_data(data_dir)}"
+            ) from error
+    if lines[0] != lines[1]:
+        raise DataError(
+            f"{split}: {split}.{tat.SRC_LANG}.gz has {lines[0]} lines but "
+            f"{split}.{tat.TGT_LANG}.gz has {lines[1]}; the two sides must be "
+            f"line-aligned. Replace them with matching files. "
+            f"{how_to_get_data(data_dir)}"
+        )
 
 
 def read_split(data_dir, split):
-    """The book's read_split, after checking the split's files against their digests."""
+    """The book's read_split, after verify_split has checked the split's files."""
     verify_split(data_dir, split)
     return tat.read_split(data_dir, split)

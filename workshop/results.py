@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 from the_annotated_transformer import (
-    DataError,
     check_positive_int,
     count_parameters,
     default_device,
@@ -22,7 +21,7 @@ from the_annotated_transformer import (
     tokenize,
 )
 from workshop.figures import save_png
-from workshop.multi30k import read_split
+from workshop.multi30k import DataError, read_split
 from workshop.runs import (
     RunConfig,
     atomic_write_text,

@@ -1,0 +1,224 @@
+"""workshop.results: evaluating a translator (BLEU) and reproducing a whole run.
+
+The tests that run a trained model train a smoke-profile model on 300 Multi30k pairs,
+found through $ANNOTATED_TRANSFORMER_DATA: without it they are skipped on a laptop,
+but fail in CI (CI=true).
+"""
+
+from pathlib import Path
+
+import pytest
+from conftest import HANDMADE_PAIRS, PNG_SIGNATURE, EchoTranslator, write_split
+
+import the_annotated_transformer as tat
+from workshop import fast, results, runs
+from workshop.multi30k import DataError
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+
+# ---------------------------------------------------------------------------
+# Shared setup
+
+
+# conftest's `translator` comes from the two-epoch smoke_run; these tests use the
+# one-epoch trained_checkpoint, as tests/test_part5_results.py does.
+
+
+@pytest.fixture(scope="module")
+def translator(trained_checkpoint):
+    return runs.load_translator(trained_checkpoint, device="cpu")
+
+
+# ---------------------------------------------------------------------------
+# Evaluating: BLEU on a split
+
+
+def test_sacrebleu_scores_the_references_against_themselves_as_100(tmp_path, capsys):
+    import sacrebleu
+
+    references = [en for _, en in HANDMADE_PAIRS]
+    assert sacrebleu.corpus_bleu(references, [references]).score == pytest.approx(100)
+    write_split(tmp_path, "handmade", HANDMADE_PAIRS)
+    echo = EchoTranslator(dict(HANDMADE_PAIRS))
+    result = results.evaluate(echo, tmp_path, "handmade", beam_size=3, batch_size=2)
+    beam_3 = {"decode": fast.beam_search, "beam_size": 3, "alpha": 0.6}
+    assert echo.calls == [([de for de, _ in HANDMADE_PAIRS], 2, beam_3)]
+    assert result["bleu"] == pytest.approx(100)
+    assert result["bleu_lowercase_spacy"] == pytest.approx(100)
+    assert (result["n"], result["beam_size"], result["split"]) == (3, 3, "handmade")
+    printed = capsys.readouterr().out
+    assert "BLEU = 100.00" in printed and "nrefs:1|case:mixed" in printed
+
+
+def test_greedy_evaluation_decodes_with_the_key_value_cache(tmp_path):
+    write_split(tmp_path, "handmade", HANDMADE_PAIRS)
+    echo = EchoTranslator(dict(HANDMADE_PAIRS))
+    results.evaluate(echo, tmp_path, "handmade", quiet=True)
+    assert [options for *_, options in echo.calls] == [
+        {"decode": tat.cached_greedy_decode}
+    ]
+
+
+def test_evaluate_is_cased_but_its_spacy_variant_is_lowercased(tmp_path):
+    write_split(tmp_path, "handmade", HANDMADE_PAIRS)
+    shouting = EchoTranslator({de: en.upper() for de, en in HANDMADE_PAIRS})
+    result = results.evaluate(shouting, tmp_path, "handmade", quiet=True)
+    assert result["bleu"] < 10.0
+    assert result["bleu_lowercase_spacy"] == pytest.approx(100)
+    assert "case:mixed" in result["signature"] and "tok:13a" in result["signature"]
+    assert "case:lc" in result["signature_lowercase_spacy"]
+    assert "tok:none" in result["signature_lowercase_spacy"]
+
+
+def test_evaluate_of_a_missing_split_names_the_file(tmp_path):
+    with pytest.raises(DataError, match="nosuch.de.gz"):
+        results.evaluate(EchoTranslator({}), tmp_path, "nosuch", quiet=True)
+
+
+def test_evaluate_runs_a_checkpoint_end_to_end_and_prints_the_signature(
+    trained_checkpoint, mini_split, tmp_path, capsys
+):
+    import sacrebleu
+
+    folder, pairs = mini_split
+    output = tmp_path / "out" / "mini.hyp.en"
+    result = results.evaluate(trained_checkpoint, folder, "mini", output=output)
+    printed = capsys.readouterr().out
+    assert "nrefs:1" in printed and "tok:13a" in printed
+    assert "lowercased BLEU on spaCy tokens" in printed
+    lines = output.read_text(encoding="utf-8").split("\n")
+    assert lines[-1] == "" and len(lines[:-1]) == len(pairs) == result["n"] == 20
+    expected = sacrebleu.corpus_bleu(lines[:-1], [[en for _, en in pairs]]).score
+    assert result["bleu"] == pytest.approx(expected)
+    assert result["beam_size"] == 1
+
+
+def test_evaluate_with_beam_size_2_decodes_with_beam_search(
+    translator, mini_split, monkeypatch
+):
+    folder, pairs = mini_split
+    calls = []
+    beam_search = fast.beam_search
+
+    def counting_beam_search(*args, **kwargs):
+        calls.append(kwargs.get("beam_size"))
+        return beam_search(*args, **kwargs)
+
+    monkeypatch.setattr(fast, "beam_search", counting_beam_search)
+    result = results.evaluate(translator, folder, "mini", beam_size=2, quiet=True)
+    assert calls and set(calls) == {2}
+    assert result["n"] == len(pairs) and result["beam_size"] == 2
+    import sacrebleu
+
+    references = [[en for _, en in pairs]]
+    expected = sacrebleu.corpus_bleu(result["hypotheses"], references).score
+    assert result["bleu"] == pytest.approx(expected)
+    assert result["hypotheses"] == translator.translate(
+        [de for de, _ in pairs], **runs.decoding(2)
+    )
+
+
+# ---------------------------------------------------------------------------
+# The whole recipe: reproduce (train, average, choose on validation, score test)
+
+
+def test_reproduce_trains_averages_and_chooses_on_validation_only(reproduced):
+    root, record = reproduced
+    assert record["epochs"] == len(record["history"]) == 2
+    assert (root / "run" / "averaged.pt").is_file()
+    assert set(record["validation_bleu"]) == {"last epoch", "average of the last 2"}
+    assert record["chosen"] == max(
+        record["validation_bleu"], key=record["validation_bleu"].get
+    )
+    by_alpha = record["validation_bleu_by_alpha"]
+    assert set(by_alpha) == {"0.6", "1"}
+    assert by_alpha[f"{record['alpha']:g}"] == max(by_alpha.values())
+    greedy, beam = record["test_greedy"], record["test_beam"]
+    assert greedy["split"] == beam["split"] == "test_2016_flickr"
+    assert (greedy["beam_size"], beam["beam_size"]) == (1, 4)
+    assert beam["alpha"] == record["alpha"]
+    assert "tok:13a" in greedy["signature"]
+    assert record["epochs_planned"] == 2 and record["stopped_by_time_limit"] is None
+    rebuilt = runs.load_translator(root / "run" / "epoch_002.pt")
+    assert record["parameters"] == tat.count_parameters(rebuilt.model)
+    assert record["train_seconds"] >= sum(r["seconds"] for r in record["history"])
+
+
+def test_reproduce_writes_the_json_the_table_row_and_the_training_curve(
+    reproduced, multi30k_dir
+):
+    import json
+
+    root, record = reproduced
+    saved = json.loads((root / "results" / "smoke.json").read_text())
+    assert saved["test_beam"]["bleu"] == pytest.approx(record["test_beam"]["bleu"])
+    page = (root / "results" / "smoke.md").read_text()
+    assert results.RESULTS_HEADER in page and results.results_row(record) in page
+    row = results.results_row(record).strip("|").split("|")
+    assert len(row) == 7 and row[0].strip() == "`smoke`"
+    assert f"{record['test_greedy']['bleu']:.2f}" in row[5]
+    pairs = tat.read_split(multi30k_dir, "test_2016_flickr")[:5]
+    assert [(e["source"], e["reference"]) for e in record["examples"]] == pairs
+    assert all(e["source"] in page for e in record["examples"])
+    curve = root / "images" / "training_curve_smoke.png"
+    assert curve.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_reproduce_reads_the_test_split_only_after_choosing_on_validation(
+    reproduced, multi30k_dir, monkeypatch
+):
+    root, _ = reproduced
+    events = []
+    read_split, print_ = results.read_split, print
+
+    def recording_read_split(data_dir, split):
+        events.append(("read", split))
+        return read_split(data_dir, split)
+
+    def recording_print(*args, **kwargs):
+        text = " ".join(map(str, args))
+        if text.startswith("chosen on validation"):
+            events.append(("chose", None))
+        print_(*args, **kwargs)
+
+    monkeypatch.setattr(results, "read_split", recording_read_split)
+    monkeypatch.setattr(results, "print", recording_print, raising=False)
+    results.reproduce("smoke", multi30k_dir, root / "run", None, train=False, limit=5)
+    chose = events.index(("chose", None))
+    assert {split for _, split in events[:chose]} == {"val"}
+    assert ("read", "test_2016_flickr") in events[chose:]
+
+
+def test_reproduce_writes_its_results_before_printing_the_table(
+    reproduced, multi30k_dir, tmp_path, monkeypatch
+):
+    """A console that cannot print α must not cost the results of a long run."""
+    root, _ = reproduced
+    print_ = print
+
+    def ascii_console(*args, **kwargs):
+        text = " ".join(map(str, args))
+        text.encode("ascii")  # raises UnicodeEncodeError, as such a console would
+        print_(*args, **kwargs)
+
+    monkeypatch.setattr(results, "print", ascii_console, raising=False)
+    with pytest.raises(UnicodeEncodeError):
+        results.reproduce(
+            "smoke", multi30k_dir, root / "run", tmp_path, None, train=False, limit=5
+        )
+    assert (tmp_path / "smoke.json").is_file() and (tmp_path / "smoke.md").is_file()
+
+
+def test_reproduce_ignores_epoch_files_past_the_runs_last_epoch(
+    reproduced, multi30k_dir, tmp_path
+):
+    import shutil
+
+    root, _ = reproduced
+    run = tmp_path / "run"
+    shutil.copytree(root / "run", run)
+    shutil.copyfile(run / "epoch_001.pt", run / "epoch_020.pt")  # a stray old file
+    results.reproduce("smoke", multi30k_dir, run, None, train=False, limit=5)
+    averaged = runs.load_checkpoint(run / "averaged.pt")["averaged_from"]
+    assert [Path(p).name for p in averaged] == ["epoch_001.pt", "epoch_002.pt"]

@@ -1,0 +1,752 @@
+"""workshop.runs: training runs, their settings, checkpoints and vocabulary files.
+
+Profiles and settings (word and subword vocabularies), a run's data, checkpoints and
+resuming, time limits, averaging checkpoints, data-parallel training in two
+processes, learning, subword runs end to end, and the bf16 probe. The tests that
+train find Multi30k through $ANNOTATED_TRANSFORMER_DATA: without it they are skipped
+on a laptop, but fail in CI (CI=true).
+"""
+
+import dataclasses
+import json
+import math
+import shutil
+from collections import Counter
+
+import pytest
+import torch
+from conftest import (
+    free_port,
+    names_in,
+    smoke_config,
+    texts_of,
+    tiny_checkpoint,
+    train_run,
+)
+
+import the_annotated_transformer as tat
+from workshop import runs
+from workshop.multi30k import DataError
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+NEW_FIELDS = ("vocab", "bpe_vocab_size", "share_embeddings", "tie_generator")
+MARKERS = ("Ġ", "▁", "<s>", "</s>", "<blank>", "<unk>")
+
+
+# ---------------------------------------------------------------------------
+# Vocabulary files
+
+
+def test_vocab_round_trips_through_a_json_file(tmp_path):
+    vocab = tat.Vocab.build([["Männer", "Ufer", "Männer", "Ufer", "."]] * 2)
+    path = tmp_path / "vocab.json"
+    runs.save_vocab(vocab, path)
+    assert json.loads(path.read_text(encoding="utf-8")) == {"itos": vocab.itos}
+    loaded = runs.load_vocab(path)
+    assert loaded.get_itos() == vocab.get_itos()
+    assert loaded.get_stoi() == vocab.get_stoi()
+    assert names_in(tmp_path) == ["vocab.json"]  # no temporary file left
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"itos": ["<s>", "</s>"',  # cut short
+        '{"words": ["<s>", "</s>", "<blank>", "<unk>"]}',  # no itos
+        '{"itos": ["Hund"]}',  # no specials
+        '["<s>", "</s>", "<blank>", "<unk>"]',  # not an object
+    ],
+)
+def test_loading_a_file_that_is_not_a_saved_vocab_raises_data_error(tmp_path, text):
+    path = tmp_path / "vocab.json"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(DataError, match="vocab.json"):
+        runs.load_vocab(path)
+
+
+def test_loading_a_missing_vocab_file_raises_data_error(tmp_path):
+    with pytest.raises(DataError, match="nowhere.json"):
+        runs.load_vocab(tmp_path / "nowhere.json")
+
+
+def test_subword_vocab_round_trips_through_a_json_file(bpe, tmp_path):
+    path = tmp_path / "bpe.json"
+    runs.save_vocab(bpe, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bpe.json"]  # no temp file
+    loaded = runs.load_vocab(path)
+    assert loaded.tokenizer.to_str() == bpe.tokenizer.to_str()
+    assert loaded.get_itos() == bpe.get_itos()
+    text = "Zwei Männer stehen am Ufer."
+    assert loaded.encode(text) == bpe.encode(text)
+    assert runs.subword_vocab_from_json(bpe.tokenizer.to_str()).encode(
+        text
+    ) == bpe.encode(text)
+
+
+@pytest.mark.parametrize("text", ["not json", '{"model": {"type": "BPE"}}'])
+def test_loading_a_file_that_is_not_a_saved_subword_vocab_raises_data_error(
+    tmp_path, text
+):
+    path = tmp_path / "bpe.json"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(DataError, match="bpe.json"):
+        runs.load_vocab(path)
+    with pytest.raises(DataError, match="missing.json"):
+        runs.load_vocab(tmp_path / "missing.json")
+
+
+# ---------------------------------------------------------------------------
+# Training configuration
+
+
+def test_from_profile_applies_overrides_over_the_profile():
+    config = runs.RunConfig.from_profile("smoke", epochs=3, max_train_pairs=300)
+    assert (config.profile, config.N, config.d_model) == ("smoke", 1, 32)
+    assert (config.epochs, config.max_train_pairs) == (3, 300)
+    assert runs.RunConfig.from_dict(config.to_dict()) == config
+
+
+def test_base_profile_is_the_papers_base_model():
+    config = runs.RunConfig.from_profile("base")
+    assert (config.N, config.d_model, config.d_ff, config.h) == (6, 512, 2048, 8)
+    assert config.dropout == 0.1 and config.label_smoothing == 0.1
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"d_model": 30, "h": 4}, "divisible"),
+        ({"max_len": 2}, "max_len"),
+        ({"epochs": -1}, "epochs"),
+        ({"dimension": 3}, "dimension"),
+        ({"time_limit": 0}, "time_limit is in minutes"),
+    ],
+)
+def test_train_config_rejects_bad_settings_with_a_clear_message(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        runs.RunConfig.from_profile("smoke", **overrides)
+
+
+def test_from_profile_rejects_an_unknown_profile_listing_the_known_ones():
+    with pytest.raises(ValueError, match="smoke"):
+        runs.RunConfig.from_profile("huge")
+
+
+def test_word_vocabularies_without_sharing_stay_the_default():
+    config = runs.RunConfig()
+    assert (config.vocab, config.bpe_vocab_size) == ("word", 8000)
+    assert not config.share_embeddings and not config.tie_generator
+    for profile in runs.TRAIN_PROFILES:
+        assert runs.RunConfig.from_profile(profile).vocab == "word"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"share_embeddings": True}, "vocab='bpe'"),
+        ({"vocab": "chars"}, "'word' or 'bpe'"),
+        ({"vocab": "bpe", "bpe_vocab_size": 100}, "at least 260"),
+        ({"bpe_vocab_size": 0}, "bpe_vocab_size"),
+    ],
+)
+def test_train_config_rejects_bad_subword_settings_with_a_clear_message(
+    overrides, message
+):
+    with pytest.raises(ValueError, match=message):
+        runs.RunConfig.from_profile("smoke", **overrides)
+
+
+def test_a_word_vocabulary_may_still_tie_the_generator_to_the_target_embedding():
+    config = runs.RunConfig.from_profile("smoke", tie_generator=True)
+    assert config.tie_generator and config.vocab == "word"
+
+
+def old_style_config():
+    """A config dict as saved before the subword fields existed."""
+    values = runs.RunConfig.from_profile("smoke").to_dict()
+    for name in NEW_FIELDS:
+        del values[name]
+    return values
+
+
+def test_old_config_dicts_without_the_subword_fields_load_with_the_defaults():
+    config = runs.RunConfig.from_dict(old_style_config())
+    assert config == runs.RunConfig.from_profile("smoke")
+    assert config.vocab == "word" and not config.share_embeddings
+
+
+def test_an_old_style_word_checkpoint_still_rebuilds_its_model(tmp_path):
+    itos = [*tat.SPECIALS, "a", "dog"]
+    torch.manual_seed(0)
+    model = tat.make_model(len(itos), len(itos), N=1, d_model=32, d_ff=64, h=2)
+    path = tmp_path / "old.pt"
+    runs.save_checkpoint(
+        path,
+        {
+            "model": runs._weights_only(model.state_dict()),
+            "config": old_style_config(),
+            "epoch": 0,
+            "vocab_src": itos,
+            "vocab_tgt": itos,
+        },
+    )
+    rebuilt, vocab_src, vocab_tgt, config = runs.model_from_checkpoint(
+        runs.load_checkpoint(path)
+    )
+    assert isinstance(vocab_src, tat.Vocab) and vocab_src.get_itos() == itos
+    assert vocab_tgt is not vocab_src and config.vocab == "word"
+    projection = rebuilt.generator.proj.weight
+    assert torch.equal(projection, model.generator.proj.weight)
+    assert projection.data_ptr() != rebuilt.tgt_embed[0].lut.weight.data_ptr()
+
+
+def test_a_bpe_checkpoint_without_its_vocabulary_raises_data_error():
+    config = runs.RunConfig.from_profile("smoke", vocab="bpe").to_dict()
+    with pytest.raises(DataError, match="'bpe'"):
+        runs.vocabs_from_checkpoint({"config": config, "vocab_src": [], "model": {}})
+
+
+# ---------------------------------------------------------------------------
+# A run's data with a joint subword vocabulary
+
+
+def bpe_data_config(**overrides):
+    """A run's settings for a 1,000-token joint vocabulary learned from 300 pairs."""
+    settings = dict(vocab="bpe", bpe_vocab_size=1000, max_train_pairs=300)
+    return runs.RunConfig.from_profile("smoke", **{**settings, **overrides})
+
+
+def test_a_runs_data_learns_bpe_from_exactly_the_sliced_training_sentences(
+    multi30k_dir, train_pairs, monkeypatch
+):
+    seen = []
+    build = tat.SubwordVocab.build
+
+    def recording_build(texts, vocab_size=8000):
+        texts = list(texts)
+        seen.append(texts)
+        return build(texts, vocab_size)
+
+    monkeypatch.setattr(tat.SubwordVocab, "build", recording_build)
+    data = runs.prepare_run_data(bpe_data_config(), multi30k_dir)
+    assert seen == [texts_of(train_pairs[:300])]
+    assert data.vocab_src is data.vocab_tgt
+    monkeypatch.undo()
+    again = tat.SubwordVocab.build(texts_of(train_pairs[:300]), 1000)
+    assert (
+        data.vocab_src.tokenizer.to_str() == again.tokenizer.to_str()
+    )  # learning is deterministic
+
+
+def test_a_runs_data_encodes_both_sides_with_the_one_subword_vocabulary(
+    multi30k_dir,
+):
+    data = runs.prepare_run_data(bpe_data_config(), multi30k_dir)
+    vocab = data.vocab_src
+    assert isinstance(vocab, tat.SubwordVocab) and data.vocab_tgt is vocab
+    assert len(data.splits["train"]) == 300 and len(data.splits["val"]) == 1014
+    for (de, en), (src, tgt) in zip(
+        data.raw["val"][:20], data.splits["val"][:20], strict=True
+    ):
+        assert src == [tat.BOS, *vocab.encode(de), tat.EOS]
+        assert tgt == [tat.BOS, *vocab.encode(en), tat.EOS]
+
+
+# ---------------------------------------------------------------------------
+# Checkpoints and resuming
+
+
+def model_weights(path):
+    return runs.load_checkpoint(path)["model"]
+
+
+def test_training_saves_last_and_the_newest_epoch_checkpoints(smoke_run):
+    assert names_in(smoke_run.out) == [
+        "epoch_002.pt",
+        "last.pt",
+        "vocab_src.json",
+        "vocab_tgt.json",
+    ]
+    last = runs.load_checkpoint(smoke_run.out / "last.pt")
+    assert last["epoch"] == 1
+    assert last["config"] == smoke_config().to_dict()
+    assert {"optimizer", "scheduler", "train_state", "history"} <= set(last)
+    assert last["history"] == smoke_run.history
+    assert [r["epoch"] for r in smoke_run.history] == [1, 2]
+    vocab_tgt = runs.load_vocab(smoke_run.out / "vocab_tgt.json")
+    assert vocab_tgt.get_itos() == last["vocab_tgt"]
+
+
+def test_time_limit_stops_before_an_epoch_that_would_end_too_late_and_says_so(
+    multi30k_dir, tmp_path, capsys
+):
+    config = smoke_config(epochs=3, time_limit=1e-6)  # minutes: one epoch is longer
+    history = runs.train_model(config, multi30k_dir, tmp_path)
+    assert [r["epoch"] for r in history] == [1]  # the first epoch always runs
+    assert "stopped after 1 of the 3 epochs" in capsys.readouterr().out
+    last = runs.load_checkpoint(tmp_path / "last.pt")
+    assert last["epoch"] == 0 and "stopped after 1 of the 3 epochs" in last["stopped"]
+
+
+def test_a_run_within_its_time_limit_trains_its_whole_budget_unmarked(smoke_run):
+    assert len(smoke_run.history) == smoke_config().epochs
+    assert "stopped" not in runs.load_checkpoint(smoke_run.out / "last.pt")
+
+
+def test_an_epoch_checkpoint_rebuilds_the_trained_model(smoke_run):
+    model, vocab_src, vocab_tgt, config = runs.model_from_checkpoint(
+        runs.load_checkpoint(smoke_run.out / "epoch_002.pt")
+    )
+    assert config == smoke_config()
+    assert not model.training
+    weights = model.state_dict()
+    for name, tensor in model_weights(smoke_run.out / "last.pt").items():
+        assert torch.equal(weights[name], tensor), name
+    assert len(vocab_src) == model.src_embed[0].lut.num_embeddings
+    assert len(vocab_tgt) == model.generator.proj.out_features
+
+
+def test_a_run_resumed_after_epoch_1_ends_where_an_uninterrupted_run_ends(
+    smoke_run, multi30k_dir, tmp_path
+):
+    first = runs.train_model(smoke_config(epochs=1), multi30k_dir, tmp_path, quiet=True)
+    assert len(first) == 1
+    assert runs.load_checkpoint(tmp_path / "last.pt")["epoch"] == 0
+    resumed = runs.train_model(
+        smoke_config(epochs=2), multi30k_dir, tmp_path, resume=True, quiet=True
+    )
+    assert [r["epoch"] for r in resumed] == [1, 2]
+    torch.testing.assert_close(
+        model_weights(tmp_path / "last.pt"),
+        model_weights(smoke_run.out / "last.pt"),
+        rtol=0,
+        atol=1e-6,
+    )
+    ours = runs.load_checkpoint(tmp_path / "last.pt")
+    theirs = runs.load_checkpoint(smoke_run.out / "last.pt")
+    assert ours["train_state"] == theirs["train_state"]
+    assert ours["config"]["epochs"] == 2
+    assert resumed[1]["val_nll"] == pytest.approx(smoke_run.history[1]["val_nll"])
+
+
+def test_a_checkpoint_write_that_dies_part_way_keeps_the_previous_one(
+    tmp_path, monkeypatch
+):
+    path = tmp_path / "last.pt"
+    before = {"model": {"w": torch.arange(6.0)}, "epoch": 0}
+    runs.save_checkpoint(path, before)
+
+    def dies_part_way(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 the first bytes of a checkpoint")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", dies_part_way)
+    with pytest.raises(OSError, match="No space"):
+        runs.save_checkpoint(path, {"model": {"w": torch.zeros(6)}, "epoch": 1})
+    monkeypatch.undo()
+    after = runs.load_checkpoint(path)
+    assert after["epoch"] == 0
+    assert torch.equal(after["model"]["w"], before["model"]["w"])
+    assert names_in(tmp_path) == ["last.pt"]
+
+
+class RunsCodeWhenUnpickled:
+    """Unpickling this creates a file: a stand-in for code hidden in a checkpoint."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_load_checkpoint_refuses_a_file_holding_arbitrary_python_objects(tmp_path):
+    marker = tmp_path / "code_ran"
+    path = tmp_path / "evil.pt"
+    torch.save({"model": {}, "payload": RunsCodeWhenUnpickled(marker)}, path)
+    with pytest.raises(DataError, match="evil.pt"):
+        runs.load_checkpoint(path)
+    assert not marker.exists()
+    # The control: an unrestricted load would have run the payload.
+    torch.load(path, weights_only=False)["payload"].close()
+    assert marker.exists()
+
+
+def test_load_checkpoint_of_a_truncated_file_raises_data_error(smoke_run, tmp_path):
+    whole = (smoke_run.out / "last.pt").read_bytes()
+    (tmp_path / "last.pt").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(DataError, match="not a readable checkpoint"):
+        runs.load_checkpoint(tmp_path / "last.pt")
+
+
+def test_load_checkpoint_of_a_missing_file_says_how_to_train_one(tmp_path):
+    with pytest.raises(FileNotFoundError, match="train --data-dir"):
+        runs.load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_epoch_files_are_ordered_by_epoch_number_not_by_name(tmp_path):
+    for name in ("epoch_1000.pt", "epoch_999.pt", "epoch_002.pt", "epoch_x.pt"):
+        (tmp_path / name).write_bytes(b"")
+    assert [p.name for p in runs.epoch_files(tmp_path)] == [
+        "epoch_002.pt",
+        "epoch_999.pt",
+        "epoch_1000.pt",
+    ]
+
+
+# ---------------------------------------------------------------------------
+# Averaging checkpoints
+
+
+def test_average_checkpoints_saves_the_mean_in_the_epoch_checkpoint_format(tmp_path):
+    first = tiny_checkpoint(tmp_path / "epoch_004.pt", seed=1, epoch=3)
+    second = tiny_checkpoint(tmp_path / "epoch_005.pt", seed=2, epoch=4)
+    paths = [tmp_path / "epoch_004.pt", tmp_path / "epoch_005.pt"]
+    model = runs.average_checkpoints(paths, tmp_path / "average.pt")
+    saved = runs.load_checkpoint(tmp_path / "average.pt")
+    assert saved["config"] == first["config"] and saved["epoch"] == 4
+    assert saved["vocab_src"] == saved["vocab_tgt"] == first["vocab_src"]
+    assert set(saved["model"]) == set(first["model"])  # no .pe tables stored
+    for name, tensor in saved["model"].items():
+        mean = (first["model"][name] + second["model"][name]) / 2
+        torch.testing.assert_close(tensor, mean, rtol=0, atol=1e-7)
+        assert torch.equal(model.state_dict()[name], tensor), name
+    rebuilt, *_ = runs.model_from_checkpoint(saved)
+    assert torch.equal(rebuilt.generator.proj.weight, model.generator.proj.weight)
+    assert not list(tmp_path.glob(".*tmp*"))  # the atomic write left nothing behind
+
+
+def test_average_checkpoints_accepts_a_run_resumed_with_more_epochs(tmp_path):
+    tiny_checkpoint(tmp_path / "a.pt", seed=1, epochs=3)
+    tiny_checkpoint(tmp_path / "b.pt", seed=2, epochs=5)
+    runs.average_checkpoints([tmp_path / "a.pt", tmp_path / "b.pt"], tmp_path / "m.pt")
+    assert (tmp_path / "m.pt").is_file()
+
+
+def test_average_checkpoints_refuses_checkpoints_with_different_settings(tmp_path):
+    tiny_checkpoint(tmp_path / "a.pt", seed=1)
+    tiny_checkpoint(tmp_path / "b.pt", seed=2, d_ff=128)
+    with pytest.raises(DataError, match=r"d_ff=64 vs 128"):
+        runs.average_checkpoints(
+            [tmp_path / "a.pt", tmp_path / "b.pt"], tmp_path / "m.pt"
+        )
+    assert not (tmp_path / "m.pt").exists()
+
+
+def test_average_checkpoints_refuses_checkpoints_with_different_vocabularies(tmp_path):
+    tiny_checkpoint(tmp_path / "a.pt", seed=1)
+    tiny_checkpoint(tmp_path / "b.pt", seed=2, words=["a", "cat", "runs", "."])
+    with pytest.raises(DataError, match="vocab_src vocabularies"):
+        runs.average_checkpoints(
+            [tmp_path / "a.pt", tmp_path / "b.pt"], tmp_path / "m.pt"
+        )
+
+
+# ---------------------------------------------------------------------------
+# Data-parallel training in two processes
+
+
+def test_train_model_in_two_processes_gives_each_its_share_of_the_batches(
+    multi30k_dir, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # one thread for each process
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    config = smoke_config(epochs=1)
+    history = runs.train_model(config, multi30k_dir, tmp_path, nprocs=2, quiet=True)
+    assert [r["epoch"] for r in history] == [1]
+    state = runs.load_checkpoint(tmp_path / "last.pt")["train_state"]
+    data = tat.prepare_data(multi30k_dir, splits=("train",), max_train_pairs=300)
+    rank_0 = list(
+        runs.ShardedBatchSampler(
+            data.lengths("train"), config.max_tokens, num_replicas=2, rank=0
+        )
+    )
+    assert state["step"] == state["accum_step"] == len(rank_0)
+    assert state["samples"] == sum(len(batch) for batch in rank_0) < 300
+
+
+def test_epoch_seeds_differ_by_rank_and_epoch_and_repeat_for_the_same_ones():
+    seeds = {runs.epoch_seed(0, e, r) for e in range(3) for r in range(4)}
+    assert len(seeds) == 12
+    assert runs.epoch_seed(0, 1, 1) == runs.epoch_seed(0, 1, 1)
+    assert runs.epoch_seed(1, 0, 0) != runs.epoch_seed(0, 1, 0)  # not seed + epoch
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"accum_iter": 2},
+        {"max_tokens": 1, "max_train_pairs": 25},  # one pair a batch, an odd count
+    ],
+    ids=["accum_iter=2", "one pair per batch, 25 pairs"],
+)
+def test_two_processes_train_an_epoch_to_the_end_without_hanging(
+    multi30k_dir, tmp_path, monkeypatch, overrides
+):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    config = smoke_config(epochs=1, **overrides)
+    history = runs.train_model(config, multi30k_dir, tmp_path, nprocs=2, quiet=True)
+    assert [r["epoch"] for r in history] == [1]
+    state = runs.load_checkpoint(tmp_path / "last.pt")["train_state"]
+    data = tat.prepare_data(
+        multi30k_dir, splits=("train",), max_train_pairs=config.max_train_pairs
+    )
+    shares = [
+        list(
+            runs.ShardedBatchSampler(
+                data.lengths("train"), config.max_tokens, num_replicas=2, rank=r
+            )
+        )
+        for r in range(2)
+    ]
+    assert len(shares[0]) == len(shares[1]) == state["step"]
+    assert state["accum_step"] == math.ceil(state["step"] / config.accum_iter)
+
+
+# ---------------------------------------------------------------------------
+# Learning
+
+
+def untrained_val_nll(config, data):
+    """Validation NLL per token of the model `_train` starts from."""
+    torch.manual_seed(config.seed)
+    model = config.make_model(len(data.vocab_src), len(data.vocab_tgt))
+    criterion = tat.LabelSmoothing(len(data.vocab_tgt), tat.PAD, config.label_smoothing)
+    loss_compute = tat.SimpleLossCompute(model.generator, criterion)
+    sampler = tat.TokenBudgetBatchSampler(
+        data.lengths("val"), config.max_tokens, shuffle=False
+    )
+    nll, _ = tat.run_epoch(
+        data.batches("val", sampler), model, loss_compute, mode="eval"
+    )
+    return nll
+
+
+@pytest.mark.slow
+def test_quick_profile_lowers_the_validation_nll_by_a_third_in_a_few_hundred_steps(
+    multi30k_dir, tmp_path
+):
+    config = runs.RunConfig.from_profile(
+        "quick", max_train_pairs=1500, epochs=4, max_tokens=400
+    )
+    data = tat.prepare_data(multi30k_dir, max_train_pairs=1500)
+    before = untrained_val_nll(config, data)
+    assert before == pytest.approx(math.log(len(data.vocab_tgt)), abs=1.0)
+    history = runs.train_model(config, multi30k_dir, tmp_path, quiet=True)
+    steps = runs.load_checkpoint(tmp_path / "last.pt")["train_state"]["accum_step"]
+    assert steps >= 200
+    after = history[-1]["val_nll"]
+    assert after < before * 2 / 3, (before, [r["val_nll"] for r in history])
+    assert history[-1]["val_ppl"] == pytest.approx(math.exp(after))
+
+
+def test_a_run_without_dropout_trains_exactly_what_the_books_recipe_trains(
+    multi30k_dir, tmp_path, monkeypatch
+):
+    """runs.train_model is tat.train_translator plus what a long run needs, and the
+    CPU tricks of workshop.fast. Their loss has the book's gradient (-q) and, with
+    dropout off, their dropout draws nothing: both runs end with the same weights.
+    The fused attention is left out here: it computes the same function in another
+    order of rounding (tests/test_part1_model.py compares the two)."""
+    monkeypatch.setattr(runs.fast, "use_fused_attention", lambda model: model)
+    config = smoke_config(epochs=1, dropout=0.0)
+    history = runs.train_model(config, multi30k_dir, tmp_path, quiet=True)
+    book_config = tat.TrainConfig(
+        **{f.name: getattr(config, f.name) for f in dataclasses.fields(tat.TrainConfig)}
+    )
+    data = tat.prepare_data(multi30k_dir, max_train_pairs=config.max_train_pairs)
+    model, book_history = tat.train_translator(
+        book_config, data, device="cpu", quiet=True
+    )
+    weights = model.state_dict()
+    for name, tensor in model_weights(tmp_path / "last.pt").items():
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-6, msg=name)
+    assert [r["epoch"] for r in book_history] == [r["epoch"] for r in history] == [1]
+    for key in ("train_loss_smoothed", "val_nll"):  # summed in other orders
+        assert book_history[0][key] == pytest.approx(history[0][key], rel=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# Subword runs end to end
+
+
+def bpe_smoke_config(**overrides):
+    settings = dict(
+        vocab="bpe",
+        bpe_vocab_size=1000,
+        share_embeddings=True,
+        tie_generator=True,
+        max_train_pairs=300,
+        keep_checkpoints=1,
+    )
+    return runs.RunConfig.from_profile("smoke", **{**settings, **overrides})
+
+
+@pytest.fixture(scope="module")
+def bpe_run(multi30k_dir, tmp_path_factory):
+    """A one-epoch smoke-profile run with the joint vocabulary and tied matrices."""
+    return train_run(bpe_smoke_config(), multi30k_dir, tmp_path_factory, "bpe_run")
+
+
+def test_a_bpe_run_saves_its_vocabulary_in_the_checkpoint_and_as_json(bpe_run):
+    assert sorted(p.name for p in bpe_run.out.iterdir()) == [
+        "bpe.json",
+        "epoch_001.pt",
+        "last.pt",
+    ]
+    last = torch.load(bpe_run.out / "last.pt", map_location="cpu", weights_only=True)
+    assert last["config"] == bpe_smoke_config().to_dict()
+    assert isinstance(last["bpe"], str)
+    vocab = runs.load_vocab(bpe_run.out / "bpe.json")
+    assert vocab.tokenizer.to_str() == last["bpe"]
+    assert last["vocab_src"] == last["vocab_tgt"] == vocab.get_itos()
+    assert len(vocab) <= 1000
+    epoch = torch.load(bpe_run.out / "epoch_001.pt", weights_only=True)
+    assert epoch["bpe"] == last["bpe"]
+
+
+def test_a_bpe_checkpoint_rebuilds_a_model_with_one_shared_matrix(bpe_run):
+    checkpoint = runs.load_checkpoint(bpe_run.out / "epoch_001.pt")
+    model, vocab_src, vocab_tgt, config = runs.model_from_checkpoint(checkpoint)
+    assert isinstance(vocab_src, tat.SubwordVocab) and vocab_tgt is vocab_src
+    assert config.share_embeddings and config.tie_generator
+    lut = model.src_embed[0].lut.weight
+    assert lut.data_ptr() == model.tgt_embed[0].lut.weight.data_ptr()
+    assert lut.data_ptr() == model.generator.proj.weight.data_ptr()
+    assert lut.shape[0] == len(vocab_src)
+    weights = model.state_dict()
+    for name, tensor in checkpoint["model"].items():
+        assert torch.equal(weights[name], tensor), name
+
+
+def test_a_translator_from_a_bpe_checkpoint_returns_plain_text(bpe_run):
+    translator = runs.load_translator(bpe_run.out / "last.pt", device="cpu")
+    vocab = translator.vocab_src
+    assert translator.encode(["Ein Hund läuft."]) == [
+        [tat.BOS, *vocab.encode("Ein Hund läuft."), tat.EOS]
+    ]
+    assert translator.spacy_de is None  # subwords need no spaCy tokenizer
+    outputs = translator.translate(["Ein Hund läuft."])
+    assert len(outputs) == 1 and isinstance(outputs[0], str)
+    assert not any(marker in outputs[0] for marker in MARKERS)
+    assert outputs[0] == outputs[0].strip()
+    tokens = vocab.lookup_tokens(vocab.encode("A dog runs."))
+    assert any("Ġ" in token for token in tokens)
+    assert translator.detokenize(tokens) == "A dog runs."
+
+
+def test_a_bpe_run_resumes_with_the_vocabulary_it_saved(
+    bpe_run, multi30k_dir, tmp_path
+):
+    shutil.copytree(bpe_run.out, tmp_path, dirs_exist_ok=True)
+    before = (tmp_path / "bpe.json").read_text(encoding="utf-8")
+    history = runs.train_model(
+        bpe_smoke_config(epochs=2), multi30k_dir, tmp_path, resume=True, quiet=True
+    )
+    assert [r["epoch"] for r in history] == [1, 2]
+    assert history[0] == bpe_run.history[0]
+    assert (tmp_path / "bpe.json").read_text(encoding="utf-8") == before
+    assert runs.load_checkpoint(tmp_path / "last.pt")["bpe"] == before
+
+
+# ---------------------------------------------------------------------------
+# bf16 only where it pays
+
+
+@pytest.mark.parametrize("speedup, expected", [(0.03, None), (1.7, torch.bfloat16)])
+def test_bf16_is_used_only_where_a_measured_matmul_says_it_pays(
+    speedup, expected, monkeypatch, capsys
+):
+    monkeypatch.setattr(runs, "bf16_matmul_speedup", lambda device: speedup)
+    assert runs.amp_dtype_for(True, torch.device("cpu")) == expected
+    said = capsys.readouterr().out.strip().splitlines()
+    if expected is None:
+        assert len(said) == 1 and "--bf16 ignored" in said[0] and "0.03x" in said[0]
+    else:
+        assert said == []
+
+
+def test_bf16_not_asked_for_is_not_even_measured(monkeypatch):
+    def never(device):
+        raise AssertionError("measured without --bf16")
+
+    monkeypatch.setattr(runs, "bf16_matmul_speedup", never)
+    assert runs.amp_dtype_for(False, torch.device("cpu")) is None
+
+
+def test_bf16_speedup_is_the_ratio_of_the_two_timed_products(monkeypatch):
+    """float32 time / bfloat16 time, each the fastest of its repeats after one
+    warm-up call (a fake clock makes every call's duration known)."""
+    durations = iter([9.0, 2.0, 3.0, 50.0, 8.0, 6.0])  # fp32: 2, 3; bf16: 8, 6
+    clock = [0.0]
+
+    def fake_perf_counter():
+        return clock[0]
+
+    def fake_matmul(self, other):
+        clock[0] += next(durations)
+        return self
+
+    monkeypatch.setattr(runs.time, "perf_counter", fake_perf_counter)
+    monkeypatch.setattr(torch.Tensor, "__matmul__", fake_matmul)
+    assert runs.bf16_matmul_speedup("cpu", tokens=4, d_model=2) == pytest.approx(2 / 6)
+
+
+# ---------------------------------------------------------------------------
+# Sharing the batches among data-parallel processes
+
+
+def padded_size(batch, lengths):
+    return len(batch) * max(lengths[i] for i in batch)
+
+
+def test_two_ranks_get_disjoint_equal_counts_of_batches_covering_the_epoch(
+    train_data,
+):
+    lengths = train_data.lengths("train")
+    # A budget that cuts the epoch into an odd number of batches, so that the
+    # sampler has to split one to give both ranks the same count.
+    budget = next(
+        b
+        for b in range(1000, 1200)
+        if len(tat.TokenBudgetBatchSampler(lengths, b).all_batches()) % 2
+    )
+    ranks = [
+        runs.ShardedBatchSampler(lengths, budget, seed=2, num_replicas=2, rank=r)
+        for r in (0, 1)
+    ]
+    for epoch in (0, 1):
+        for sampler in ranks:
+            sampler.set_epoch(epoch)
+        rank_0, rank_1 = (list(sampler) for sampler in ranks)
+        assert len(rank_0) == len(rank_1) == len(ranks[0]) == len(ranks[1])
+        seen_0 = {i for batch in rank_0 for i in batch}
+        seen_1 = {i for batch in rank_1 for i in batch}
+        assert not seen_0 & seen_1
+        every = sorted(i for batch in rank_0 + rank_1 for i in batch)
+        assert every == list(range(len(lengths)))
+        assert all(padded_size(b, lengths) <= budget for b in rank_0 + rank_1)
+
+
+def test_sampler_rejects_a_rank_outside_the_replicas_and_too_few_examples():
+    with pytest.raises(ValueError, match="rank"):
+        runs.ShardedBatchSampler([3, 4], 10, num_replicas=2, rank=2)
+    with pytest.raises(ValueError, match="cannot be shared"):
+        runs.ShardedBatchSampler([3], 10, num_replicas=2, rank=0)
+
+
+@pytest.mark.parametrize("n, replicas", [(5, 2), (7, 3), (9, 4), (2, 2)])
+def test_every_process_gets_as_many_batches_when_each_batch_holds_one_pair(n, replicas):
+    shares = [
+        list(runs.ShardedBatchSampler([10] * n, 1, num_replicas=replicas, rank=r))
+        for r in range(replicas)
+    ]
+    assert len({len(share) for share in shares}) == 1
+    seen = Counter(i for share in shares for batch in share for i in batch)
+    assert set(seen) == set(range(n))  # every pair at least once
+    assert sum(seen.values()) - n < replicas  # fewer than one round repeated
