@@ -351,6 +351,7 @@ def reproduced(multi30k_dir, tmp_path_factory):
         root / "run",
         root / "results",
         root / "images",
+        beam_sizes=(2, 3),
         alphas=(0.6, 1.0),
         limit=20,
         quiet=True,

@@ -526,11 +526,19 @@ def test_reproduce_command_reports_on_an_existing_run(reproduced, capsys):
     assert "| `smoke` |" in capsys.readouterr().out
 
 
-def test_reproduce_rejects_bad_alphas_and_a_run_without_checkpoints(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "flag, value", [("--alphas", "0.6,x"), ("--beam", "4,0"), ("--average", "")]
+)
+def test_reproduce_rejects_bad_lists_of_choices(tmp_path, capsys, flag, value):
     code = cli.main(
-        ["reproduce", "--data-dir", str(tmp_path), "--alphas", "0.6,x", "--no-train"]
+        ["reproduce", "--data-dir", str(tmp_path), flag, value, "--no-train"]
     )
-    assert code == 2 and "--alphas takes numbers" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert f"{flag} takes positive numbers separated by commas" in err[0]
+
+
+def test_reproduce_without_a_trained_run_says_so(tmp_path):
     with pytest.raises(FileNotFoundError, match="no trained run"):
         results.reproduce("smoke", tmp_path, tmp_path / "empty", None, train=False)
 

@@ -66,6 +66,7 @@ def test_evaluate_is_cased_but_its_spacy_variant_is_lowercased(tmp_path):
     result = results.evaluate(shouting, tmp_path, "handmade", quiet=True)
     assert result["bleu"] < 10.0
     assert result["bleu_lowercase_spacy"] == pytest.approx(100)
+    assert result["length_ratio"] == 1.0  # upper case changes no word count
     assert "case:mixed" in result["signature"] and "tok:13a" in result["signature"]
     assert "case:lc" in result["signature_lowercase_spacy"]
     assert "tok:none" in result["signature_lowercase_spacy"]
@@ -89,8 +90,9 @@ def test_evaluate_runs_a_checkpoint_end_to_end_and_prints_the_signature(
     assert "lowercased BLEU on spaCy tokens" in printed
     lines = output.read_text(encoding="utf-8").split("\n")
     assert lines[-1] == "" and len(lines[:-1]) == len(pairs) == result["n"] == 20
-    expected = sacrebleu.corpus_bleu(lines[:-1], [[en for _, en in pairs]]).score
-    assert result["bleu"] == pytest.approx(expected)
+    expected = sacrebleu.corpus_bleu(lines[:-1], [[en for _, en in pairs]])
+    assert result["bleu"] == pytest.approx(expected.score)
+    assert result["length_ratio"] == expected.sys_len / expected.ref_len
     assert result["beam_size"] == 1
 
 
@@ -126,23 +128,37 @@ def test_evaluate_with_beam_size_2_decodes_with_beam_search(
 def test_reproduce_trains_averages_and_chooses_on_validation_only(reproduced):
     root, record = reproduced
     assert record["epochs"] == len(record["history"]) == 2
-    assert (root / "run" / "averaged.pt").is_file()
+    # windows (2, 3, 5) on a 2-epoch run: only the average of the last 2 exists
+    assert (root / "run" / "average_last_2.pt").is_file()
+    assert not (root / "run" / "average_last_3.pt").exists()
     assert set(record["validation_bleu"]) == {"last epoch", "average of the last 2"}
     assert record["chosen"] == max(
         record["validation_bleu"], key=record["validation_bleu"].get
     )
-    by_alpha = record["validation_bleu_by_alpha"]
-    assert set(by_alpha) == {"0.6", "1"}
-    assert by_alpha[f"{record['alpha']:g}"] == max(by_alpha.values())
+    by_beam = record["validation_bleu_by_beam"]
+    assert set(by_beam) == {f"beam {k}, alpha {a}" for k in (2, 3) for a in (0.6, 1)}
+    chosen = f"beam {record['beam_size']}, alpha {record['alpha']:g}"
+    assert by_beam[chosen] == max(by_beam.values())
     greedy, beam = record["test_greedy"], record["test_beam"]
     assert greedy["split"] == beam["split"] == "test_2016_flickr"
-    assert (greedy["beam_size"], beam["beam_size"]) == (1, 4)
+    assert (greedy["beam_size"], beam["beam_size"]) == (1, record["beam_size"])
     assert beam["alpha"] == record["alpha"]
     assert "tok:13a" in greedy["signature"]
     assert record["epochs_planned"] == 2 and record["stopped_by_time_limit"] is None
     rebuilt = runs.load_translator(root / "run" / "epoch_002.pt")
     assert record["parameters"] == tat.count_parameters(rebuilt.model)
     assert record["train_seconds"] >= sum(r["seconds"] for r in record["history"])
+
+
+def test_the_speed_line_weighs_each_epoch_by_its_time():
+    history = [
+        {"tokens_per_s": 1000.0, "seconds": 100.0},  # 100,000 tokens
+        {"tokens_per_s": 3000.0, "seconds": 100.0},  # 300,000 tokens
+    ]
+    line = results._speed_line(history)
+    assert "2,000 target tokens/s over 2 epochs" in line  # 400,000 in 200 s
+    assert "0.40 M target tokens in 3 min" in line
+    assert "about 6,667 / S minutes" in line  # 400,000 / 60
 
 
 def test_reproduce_writes_the_json_the_table_row_and_the_training_curve(
@@ -155,6 +171,7 @@ def test_reproduce_writes_the_json_the_table_row_and_the_training_curve(
     assert saved["test_beam"]["bleu"] == pytest.approx(record["test_beam"]["bleu"])
     page = (root / "results" / "smoke.md").read_text()
     assert results.RESULTS_HEADER in page and results.results_row(record) in page
+    assert results._speed_line(record["history"]) in page
     row = results.results_row(record).strip("|").split("|")
     assert len(row) == 7 and row[0].strip() == "`smoke`"
     assert f"{record['test_greedy']['bleu']:.2f}" in row[5]
@@ -220,5 +237,5 @@ def test_reproduce_ignores_epoch_files_past_the_runs_last_epoch(
     shutil.copytree(root / "run", run)
     shutil.copyfile(run / "epoch_001.pt", run / "epoch_020.pt")  # a stray old file
     results.reproduce("smoke", multi30k_dir, run, None, train=False, limit=5)
-    averaged = runs.load_checkpoint(run / "averaged.pt")["averaged_from"]
+    averaged = runs.load_checkpoint(run / "average_last_2.pt")["averaged_from"]
     assert [Path(p).name for p in averaged] == ["epoch_001.pt", "epoch_002.pt"]

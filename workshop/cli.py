@@ -50,6 +50,20 @@ def _positive_int(text):
     return value
 
 
+def _numbers(text, flag, kind, example):
+    """A comma-separated list of numbers from the command line, as a tuple."""
+    try:
+        values = tuple(kind(part) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or any(value <= 0 for value in values):
+        raise ValueError(
+            f"{flag} takes positive numbers separated by commas, like {example}; got "
+            f"{text!r}."
+        )
+    return values
+
+
 def build_parser():
     """The command-line interface's argument parser."""
     parser = _Parser(
@@ -130,10 +144,16 @@ def _add_results_commands(commands):
     repro.add_argument("--out", help="checkpoint folder (default runs/PROFILE)")
     repro.add_argument("--results", default="results", help="for PROFILE.json, .md")
     repro.add_argument("--images", default="images", help="for the training curve")
-    repro.add_argument("--average-last", type=_positive_int, default=5)
-    repro.add_argument("--beam", type=_positive_int, default=4)
     repro.add_argument(
-        "--alphas", default="0.6,1.0,1.5", help="length-penalty exponents to try on val"
+        "--average",
+        default="2,3,4,5",
+        help="averages of the last K epochs to try on val",
+    )
+    repro.add_argument("--beam", default="4,6", help="beam sizes to try on val")
+    repro.add_argument(
+        "--alphas",
+        default="0.6,1.0,1.5,2.0,2.5,3.0",
+        help="length-penalty exponents to try on val",
     )
     repro.add_argument(
         "--limit", type=_positive_int, help="score only the first N sentences"
@@ -279,22 +299,15 @@ def _run_results_command(args):
         data_dir = args.data_dir or data_dir_from_env()
         if data_dir is None:
             raise ValueError(f"reproduce: pass --data-dir DIR or set ${DATA_ENV}.")
-        try:
-            alphas = tuple(float(a) for a in args.alphas.split(","))
-        except ValueError:
-            raise ValueError(
-                f"--alphas takes numbers separated by commas, like 0.6,1.0; got "
-                f"{args.alphas!r}."
-            ) from None
         reproduce(
             args.profile,
             data_dir,
             args.out or Path("runs") / args.profile,
             args.results,
             args.images,
-            average_last=args.average_last,
-            beam_size=args.beam,
-            alphas=alphas,
+            windows=_numbers(args.average, "--average", int, "2,3,5"),
+            beam_sizes=_numbers(args.beam, "--beam", int, "4,6"),
+            alphas=_numbers(args.alphas, "--alphas", float, "0.6,1.0"),
             train=not args.no_train,
             limit=args.limit,
         )

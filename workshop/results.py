@@ -5,6 +5,7 @@ the validation split, score the test set, and write results/<profile>.{json,md}.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import platform
 import time
@@ -92,6 +93,7 @@ def evaluate(
         "signature": str(bleu.get_signature()),
         "precisions": list(score.precisions),
         "brevity_penalty": score.bp,
+        "length_ratio": score.sys_len / score.ref_len,  # output words per reference
         "bleu_lowercase_spacy": score_lc.score,
         "signature_lowercase_spacy": str(bleu_lc.get_signature()),
         "seconds": seconds,
@@ -150,9 +152,9 @@ def reproduce(
     results_dir="results",
     images_dir="images",
     *,
-    average_last=5,
-    beam_size=4,
-    alphas=(0.6, 1.0, 1.5),
+    windows=(2, 3, 4, 5),
+    beam_sizes=(4, 6),
+    alphas=(0.6, 1.0, 1.5, 2.0, 2.5, 3.0),
     train=True,
     quiet=False,
     limit=None,
@@ -161,14 +163,20 @@ def reproduce(
     """Train `profile`, average, choose on validation, score the test set; returns
     the record that `results_dir`/<profile>.json holds (None: write no files).
 
+    The model is the last epoch or the average of the last k epochs, for each k in
+    `windows`, whichever translates the validation split best (greedy BLEU); then
+    every beam size in `beam_sizes` with every α in `alphas` is tried there too.
     `overrides` (a dict) changes fields of the profile; `limit` scores only the first
     sentences of each split (for quick checks).
     """
-    check_positive_int(average_last=average_last, beam_size=beam_size)
+    for k in windows:
+        check_positive_int(window=k)
+    for k in beam_sizes:
+        check_positive_int(beam_size=k)
     if limit is not None:
         check_positive_int(limit=limit)
-    if not alphas:
-        raise ValueError("reproduce: give at least one alpha to choose from.")
+    if not alphas or not beam_sizes:
+        raise ValueError("reproduce: give at least one beam size and one alpha.")
     say = (lambda *args: None) if quiet else print
     out_dir = Path(out_dir)
     start = time.perf_counter()
@@ -195,28 +203,33 @@ def reproduce(
             "last epoch; the folder is incomplete."
         )
     candidates = {"last epoch": epochs[-1]}
-    if average_last > 1 and len(epochs) > 1:
-        chosen_paths = epochs[-average_last:]
-        average_checkpoints(chosen_paths, out_dir / "averaged.pt")
-        candidates[f"average of the last {len(chosen_paths)}"] = out_dir / "averaged.pt"
-    translators = {name: load_translator(p) for name, p in candidates.items()}
-    validation = {}
-    for name, candidate in translators.items():
+    for k in sorted({k for k in windows if 1 < k <= len(epochs)}):
+        path = out_dir / f"average_last_{k}.pt"
+        average_checkpoints(epochs[-k:], path)
+        candidates[f"average of the last {k}"] = path
+    validation, chosen, translator = {}, None, None
+    for name, path in candidates.items():
+        candidate = load_translator(path)
         score = evaluate(candidate, data_dir, "val", quiet=True, limit=limit)["bleu"]
         validation[name] = score
         say(f"validation BLEU, greedy, {name}: {score:.2f}")
-    chosen = max(validation, key=validation.get)
-    translator = translators[chosen]
-    by_alpha = {}
-    for alpha in alphas:
-        by_alpha[alpha] = evaluate(
+        if chosen is None or score > validation[chosen]:  # the first best is kept
+            chosen, translator = name, candidate
+    by_search = {}
+    for beam_size, alpha in itertools.product(beam_sizes, alphas):
+        score = evaluate(
             translator, data_dir, "val", beam_size, quiet=True, alpha=alpha, limit=limit
-        )["bleu"]
-        say(
-            f"validation BLEU, beam {beam_size}, alpha {alpha:g}: {by_alpha[alpha]:.2f}"
         )
-    alpha = max(by_alpha, key=by_alpha.get)
-    say(f"chosen on validation: {chosen}, alpha {alpha:g}; now the test set")
+        by_search[beam_size, alpha] = score["bleu"]
+        say(
+            f"validation BLEU, beam {beam_size}, alpha {alpha:g}: {score['bleu']:.2f} "
+            f"(output/reference length {score['length_ratio']:.3f})"
+        )
+    beam_size, alpha = max(by_search, key=by_search.get)
+    say(
+        f"chosen on validation: {chosen}, beam {beam_size}, alpha {alpha:g}; now the "
+        "test set"
+    )
     test = "test_2016_flickr"
     greedy = evaluate(translator, data_dir, test, quiet=quiet, limit=limit)
     beam = evaluate(
@@ -237,7 +250,10 @@ def reproduce(
         "val_ppl": history[-1]["val_ppl"],
         "validation_bleu": validation,
         "chosen": chosen,
-        "validation_bleu_by_alpha": {f"{a:g}": b for a, b in by_alpha.items()},
+        "validation_bleu_by_beam": {
+            f"beam {k}, alpha {a:g}": b for (k, a), b in by_search.items()
+        },
+        "beam_size": beam_size,
         "alpha": alpha,
         "test_greedy": {k: v for k, v in greedy.items() if k != "hypotheses"},
         "test_beam": {k: v for k, v in beam.items() if k != "hypotheses"},
@@ -287,6 +303,8 @@ def results_markdown(record):
         f"{greedy['bleu_lowercase_spacy']:.2f} greedy, "
         f"{beam['bleu_lowercase_spacy']:.2f} beam.",
         "",
+        _speed_line(record["history"]),
+        "",
         "| German | Reference | Greedy | Beam |",
         "|---|---|---|---|",
     ]
@@ -304,6 +322,18 @@ def results_markdown(record):
         for e in record["examples"]
     ]
     return "\n".join(lines) + "\n"
+
+
+def _speed_line(history):
+    """How fast the epochs trained, and how to work out another machine's time."""
+    tokens = sum(r["tokens_per_s"] * r["seconds"] for r in history)
+    seconds = sum(r["seconds"] for r in history)
+    return (
+        f"Training speed: {tokens / seconds:,.0f} target tokens/s over "
+        f"{len(history)} epochs ({tokens / 1e6:.2f} M target tokens in "
+        f"{seconds / 60:.0f} min, validation and checkpoints not included). A machine "
+        f"that trains S target tokens/s needs about {tokens / 60:,.0f} / S minutes."
+    )
 
 
 def _table_cell(text):
