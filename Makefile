@@ -96,8 +96,8 @@ figures: $(STAMP)
 bench: $(STAMP)
 	$(VENV_PYTHON) benchmarks/bench.py
 
-# The README's Results row for the multi30k profile: train (at most an hour on a
-# 2-core CPU), average the last checkpoints, choose the checkpoint and beam search's
+# The README's Results row for the multi30k profile: train (under an hour on a
+# 2-core CPU), average the last checkpoints, choose the checkpoint, the beam size and
 # alpha on the validation split, then score test 2016. Writes results/multi30k.json,
 # results/multi30k.md, images/training_curve_multi30k.png, and this log.
 # `make results-PROFILE` does the same for any profile (quick, base, ...).

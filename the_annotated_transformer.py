@@ -3053,13 +3053,13 @@ def bleu(translator, pairs, **options):
 # ### The `multi30k` run
 #
 # `make multi30k` trains the README's model: the `multi30k` profile (3 layers,
-# $d_{\text{model}} = 256$, $h = 8$, dropout 0.2) for a fixed 7 epochs, about an
-# hour on a 2-core CPU. It then averages the last five epoch checkpoints, keeps
-# whichever of the last checkpoint and the average translates the **validation**
-# split better (greedy BLEU), picks beam search's $\alpha$ there too, and only then
-# translates the test set, greedily and with beam search. Nothing measured on the
-# test set feeds back into a choice. Its figures are in `results/multi30k.md`, shown
-# here whether or not the data is on this machine:
+# $d_{\text{model}} = 256$, $h = 4$, $d_{ff} = 512$, dropout 0.1) for a fixed 10
+# epochs, under an hour on a 2-core CPU. It then averages the last 2, 3, 4 and 5
+# epoch checkpoints, keeps whichever of the last checkpoint and the averages
+# translates the **validation** split best (greedy BLEU), picks the beam size (4 or
+# 6) and $\alpha$ there too, and only then translates the test set, greedily and with
+# beam search. Nothing measured on the test set feeds back into a choice. Its figures
+# are in `results/multi30k.md`, shown here whether or not the data is on this machine:
 
 
 # %%
@@ -3083,10 +3083,23 @@ show_example(committed_results)
 #
 # ![Training curve of the multi30k run](../images/training_curve_multi30k.png)
 #
+# What moved the score, on the validation split. The previous profile ($d_{ff}$ 1,024,
+# 8 heads, dropout 0.2) fitted 7 epochs in the hour, and its last epoch translated
+# with greedy BLEU 30.15; this one trains 1.3× as many tokens a second, fits 10
+# epochs, and its last epoch scores about the same, 30.39. The gain came after
+# training: the average of the last 3 epochs scores 32.48, because while the learning
+# rate is still high each epoch's weights sit on a different side of a valley and
+# their mean lies nearer its floor (a fixed window of 5 reached back too far and
+# lost); beam 6 with $\alpha = 1.5$ adds 2.4 more (34.90), and its output is as long
+# as the references. A joint subword vocabulary with tied embeddings learned too
+# slowly for this budget (greedy BLEU 9.66 after 2 epochs, against 19.43). On the
+# test set this gives 33.08 greedy and 34.61 with beam search, below the 38 and 39
+# we aimed at; the README lists every attempt and what to try next.
+#
 # The notebook's own model, trained above on the chosen profile, scored the same way
 # on the 2016 test set, greedy with the key/value cache. (Beam search scores it too,
 # with `Translator.translate(..., decode=beam_search)`, one sentence at a time; the
-# command line's `evaluate --beam-size 4` uses the workshop's batched search, which
+# command line's `evaluate --beam 4` uses the workshop's batched search, which
 # is much faster on 1,000 sentences.)
 
 
