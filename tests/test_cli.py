@@ -535,7 +535,7 @@ def test_reproduce_rejects_bad_lists_of_choices(tmp_path, capsys, flag, value):
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
-    assert f"{flag} takes positive numbers separated by commas" in err[0]
+    assert f"{flag} takes numbers separated by commas, each " in err[0]
 
 
 def test_reproduce_without_a_trained_run_says_so(tmp_path):

@@ -56,10 +56,12 @@ def _numbers(text, flag, kind, example):
         values = tuple(kind(part) for part in text.split(","))
     except ValueError:
         values = ()
-    if not values or any(value <= 0 for value in values):
+    whole = kind is int
+    if not values or any(value < 1 if whole else value <= 0 for value in values):
+        each = "at least 1" if whole else "above 0"
         raise ValueError(
-            f"{flag} takes positive numbers separated by commas, like {example}; got "
-            f"{text!r}."
+            f"{flag} takes numbers separated by commas, each {each}, like {example}; "
+            f"got {text!r}."
         )
     return values
 
