@@ -128,7 +128,7 @@ def test_evaluate_with_beam_size_2_decodes_with_beam_search(
 def test_reproduce_trains_averages_and_chooses_on_validation_only(reproduced):
     root, record = reproduced
     assert record["epochs"] == len(record["history"]) == 2
-    # windows (2, 3, 5) on a 2-epoch run: only the average of the last 2 exists
+    # windows (2, 3, 4, 5) on a 2-epoch run: only the average of the last 2 exists
     assert (root / "run" / "average_last_2.pt").is_file()
     assert not (root / "run" / "average_last_3.pt").exists()
     assert set(record["validation_bleu"]) == {"last epoch", "average of the last 2"}
