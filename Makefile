@@ -7,13 +7,15 @@
 #   make script     notebooks/the_annotated_transformer.ipynb -> the_annotated_transformer.py
 #   make execute    run every cell of the notebook -> notebooks/*.executed.ipynb
 #   make html       the executed notebook as one self-contained, offline HTML page
+#   make site       the book's website: site/index.html, executed with the quick profile
+#   make lab        JupyterLab on the book (installs requirements-lab.txt the first time)
 #   make figures    write the book's figures to images/
 #   make bench      print performance figures (a benchmark, never a test)
 #   make multi30k   train the multi30k profile, average, score: results/multi30k.*
 #                   (make results-quick: the same for another profile)
 #   make lint       ruff check and ruff format --check
 #   make format     ruff format, then ruff check --fix
-#   make clean      remove caches and executed-notebook leftovers (keeps the venv)
+#   make clean      remove caches, executed notebooks and the site (keeps the venv)
 #
 # Override on the command line, e.g. `make test PYTHON=python3.11 DATA_DIR=/data/m30k`.
 
@@ -29,12 +31,13 @@ BOOK := the_annotated_transformer.py
 NOTEBOOK := notebooks/the_annotated_transformer.ipynb
 
 .DEFAULT_GOAL := run
-.PHONY: setup run test notebook sync script execute html figures bench multi30k lint format clean
+.PHONY: setup setup-lab run test notebook sync script execute html site lab figures bench \
+	multi30k lint format clean
 
 # The tests that need Multi30k find it through this variable; the library itself never
 # assumes a data path. Set only when the folder is there.
 ifneq ($(wildcard $(DATA_DIR)/.),)
-test execute bench results-%: export ANNOTATED_TRANSFORMER_DATA := $(abspath $(DATA_DIR))
+test execute site lab bench results-%: export ANNOTATED_TRANSFORMER_DATA := $(abspath $(DATA_DIR))
 endif
 
 setup: $(STAMP)
@@ -45,6 +48,16 @@ $(VENV_PYTHON):
 # Reinstalls only when a requirements file is newer than the stamp.
 $(STAMP): requirements.txt requirements-dev.txt | $(VENV_PYTHON)
 	$(VENV_PYTHON) -m pip install -r requirements-dev.txt
+	touch $@
+
+# JupyterLab for `make lab`, apart from what the tests need (.ci/run installs it too,
+# for the test that opens the book in it).
+LAB_STAMP := $(VENV)/.lab-installed
+
+setup-lab: $(LAB_STAMP)
+
+$(LAB_STAMP): requirements-lab.txt $(STAMP)
+	$(VENV_PYTHON) -m pip install -r requirements-lab.txt
 	touch $@
 
 run: $(STAMP)
@@ -83,12 +96,41 @@ execute: notebook
 		--ExecutePreprocessor.timeout=3600 --output $(notdir $(EXECUTED)) $(NOTEBOOK)
 
 # One self-contained page beside it (notebooks/*.executed.html) that fetches nothing:
-# MathJax inlined, images embedded. tests/test_html.py uses the same exporter.
+# MathJax inlined, images embedded. `make site` uses the same exporter.
 html: $(STAMP) $(EXECUTED)
 	$(VENV_PYTHON) tools/export_html.py $(EXECUTED)
 
 $(EXECUTED):
 	$(MAKE) execute
+
+# The website: the book executed (quick profile unless ANNOTATED_TRANSFORMER_PROFILE
+# says otherwise) as site/index.html, which fetches nothing, beside site/images/ and the
+# executed notebook. Built from the .py, so it is the book as it stands. The GitHub
+# Pages workflow (.github/workflows/site.yml) runs this target.
+SITE_DIR ?= site
+
+site: $(STAMP)
+	$(VENV_PYTHON) tools/build_site.py --out $(SITE_DIR)
+
+# JupyterLab on the book, served from this folder, with the venv's kernel first on
+# the kernel search path (a `python3` kernel of the user's own cannot shadow it).
+# jupytext's server extension, installed with it, pairs the .py and the notebook.
+# Nothing is fetched at run time: no news feed, no update check, no extension store.
+# Jupyter prints the URL, token included; LAB_OPTIONS=--no-browser opens no browser.
+LAB_PORT ?= 8888
+LAB_OPTIONS ?=
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+
+lab: $(LAB_STAMP)
+	@echo "Starting JupyterLab on the book; open the URL it prints. Ctrl-C twice stops it."
+	JUPYTER_PATH="$(abspath $(VENV))/share/jupyter" $(BIN)/jupyter lab \
+		--ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
+		--ServerApp.root_dir="$(CURDIR)" \
+		--LabApp.default_url=/lab/tree/$(NOTEBOOK) \
+		--LabApp.news_url=None \
+		--LabApp.check_for_updates_class=jupyterlab.handlers.announcements.NeverCheckForUpdate \
+		--LabApp.extension_manager=readonly \
+		$(ALLOW_ROOT) $(LAB_OPTIONS)
 
 figures: $(STAMP)
 	$(VENV_PYTHON) $(BOOK) figures --out images/
@@ -121,4 +163,5 @@ clean:
 	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -exec rm -rf {} +
 	rm -rf .pytest_cache .ruff_cache
 	rm -f notebooks/*.executed.ipynb notebooks/*.html
+	rm -rf $(SITE_DIR) $(SITE_DIR).building $(SITE_DIR).previous
 	rm -rf notebooks/.ipynb_checkpoints .ipynb_checkpoints

@@ -96,33 +96,100 @@ def one_cpu_thread():
 
 
 @pytest.fixture(scope="session")
-def executed_notebook(multi30k_dir, tmp_path_factory):
-    """The committed notebook, every cell run with the smoke profile, saved to disk.
+def built_site(multi30k_dir, tmp_path_factory):
+    """The folder `make site` builds, with the smoke profile (two to three minutes).
 
-    tests/test_notebook.py checks its outputs and tests/test_html.py its HTML page;
-    both share this one run (about a minute on a CPU). The notebook trains its model
-    in memory and writes no run folder.
+    tests/test_notebook.py checks the executed notebook in it and tests/test_site.py
+    its page; both share this one build. It uses the project's .venv, as `make site`
+    does. The notebook trains its model in memory and writes no run folder.
     """
-    import nbformat
-    from nbclient import NotebookClient
-
-    folder = tmp_path_factory.mktemp("executed_notebook")
-    notebook = nbformat.read(
-        REPO_ROOT / "notebooks" / "the_annotated_transformer.ipynb", as_version=4
+    site = tmp_path_factory.mktemp("built_site") / "site"
+    result = subprocess.run(
+        ["make", "--no-print-directory", "site", f"SITE_DIR={site}"],
+        cwd=REPO_ROOT,
+        env={
+            **os.environ,
+            "ANNOTATED_TRANSFORMER_PROFILE": "smoke",
+            "DATA_DIR": str(multi30k_dir),
+        },
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
     )
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("ANNOTATED_TRANSFORMER_PROFILE", "smoke")
-        env.setenv(tat.DATA_ENV, str(multi30k_dir))
-        client = NotebookClient(
-            notebook,
-            timeout=600,
-            kernel_name="python3",
-            resources={"metadata": {"path": str(folder)}},
-        )
-        client.execute()  # raises CellExecutionError on the first failing cell
-    path = folder / "the_annotated_transformer.executed.ipynb"
-    nbformat.write(notebook, path)
-    return path
+    assert result.returncode == 0, (
+        f"make site failed:\n{result.stdout[-3000:]}" + (result.stderr[-3000:])
+    )
+    return site
+
+
+@pytest.fixture(scope="session")
+def executed_notebook(built_site):
+    """The book with every cell run (smoke profile), as `make site` saved it."""
+    return built_site / "the_annotated_transformer.ipynb"
+
+
+# ---------------------------------------------------------------------------
+# A browser: Debian's headless Chromium, for the rendered book and JupyterLab
+
+# Headless, no profile state, none of Chromium's own background traffic; the host
+# resolver rule makes any request for a remote page, script or font fail at once,
+# except for 127.0.0.1, where the JupyterLab test's server listens.
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-quic",
+    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+]
+
+
+def chromium_or_skip(environ):
+    """The path of Debian's chromium; skip without it, but fail in CI."""
+    path = shutil.which("chromium") or shutil.which("chromium", path="/usr/bin")
+    if path:
+        return path
+    message = (
+        "Chromium is not installed, so the book cannot be opened in a browser. "
+        "Install Debian's package: `apt-get install --no-install-recommends chromium` "
+        "(.ci/run does)."
+    )
+    if environ.get("CI") == "true":
+        pytest.fail(message + " CI must run every test, so this is an error.")
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    return chromium_or_skip(os.environ)
+
+
+def run_chromium(chromium, url, profile, *args):
+    """Run headless Chromium on `url` with a fresh profile folder; return its stdout."""
+    result = subprocess.run(
+        [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args, url],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert result.returncode == 0, f"chromium failed:\n{result.stderr[-3000:]}"
+    return result.stdout
+
+
+def book_title():
+    """The book's title: the first heading of the notebook's first cell."""
+    import nbformat
+
+    notebook = REPO_ROOT / "notebooks" / "the_annotated_transformer.ipynb"
+    first = nbformat.read(notebook, as_version=4).cells[0].source
+    heading = first.lstrip().partition("\n")[0]
+    assert heading.startswith("# "), f"the first cell starts with {heading!r}"
+    return heading[2:].strip()
 
 
 # ---------------------------------------------------------------------------

@@ -56,7 +56,7 @@ def test_committed_notebook_is_paired_with_the_book_by_jupytext(committed):
 @pytest.mark.slow
 def test_notebook_executes_end_to_end_with_the_smoke_profile(executed_notebook):
     """Every cell runs; charts come out as PNG; translations and BLEU are printed."""
-    notebook = nbformat.read(executed_notebook, as_version=4)  # run in conftest.py
+    notebook = nbformat.read(executed_notebook, as_version=4)  # make site ran it
     outputs = [o for cell in notebook.cells for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
     pngs = [o for o in outputs if "image/png" in o.get("data", {})]

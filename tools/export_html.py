@@ -7,7 +7,8 @@ require.js and mermaid from CDNs; tools/offline.html.j2 drops the last two (the 
 has no widgets and no diagrams) and inlines MathJax 3 from the pinned
 django-static-mathjax package instead. Charts are PNG outputs already, and the
 figures that markdown cells link to (`../images/*.png`) are embedded as data URLs.
-tests/test_html.py opens the page in headless Chromium.
+tools/build_site.py (`make site`) uses it too; tests/test_site.py opens its page in
+headless Chromium.
 """
 
 import argparse

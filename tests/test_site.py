@@ -1,62 +1,34 @@
-"""`make html` writes one self-contained page that a browser renders offline.
+"""`make site` builds the book's website: one page that a browser renders offline.
 
-The smoke-profile run of the notebook (conftest.py) goes through tools/export_html.py,
-the exporter behind `make html`. Headless Chromium (Debian's, which .ci/run installs)
-then opens the page from disk with every host name unresolvable, takes a screenshot
-and dumps the DOM after its scripts ran: the title, the table of contents, the charts
-and the typeset math must all be there without the network.
+The build (conftest.py's `built_site`: `make site` with the smoke profile) runs every
+cell of the book and writes the page with tools/export_html.py, the exporter behind
+`make html` too. Headless Chromium (Debian's, which .ci/run installs) then opens the
+page from disk with every host name unresolvable, takes a screenshot and dumps the
+DOM after its scripts ran: the title, the table of contents, the charts and the
+typeset math must all be there without the network. The GitHub Pages workflow must
+build the site with the same target.
 """
 
 import base64
 import os
 import re
-import shutil
 import struct
 import subprocess
-import sys
 import zlib
 from pathlib import Path
 from urllib.parse import unquote
 
-import nbformat
 import pytest
+import yaml
 from bs4 import BeautifulSoup
+from conftest import book_title, run_chromium
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-EXPORT_HTML = REPO_ROOT / "tools" / "export_html.py"
-NOTEBOOK = REPO_ROOT / "notebooks" / "the_annotated_transformer.ipynb"
-
-# Headless, no profile state, none of Chromium's own background traffic; the host
-# resolver rule makes any request for a remote page, script or font fail at once.
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-quic",
-    "--host-resolver-rules=MAP * ~NOTFOUND",
-]
+IMAGES = REPO_ROOT / "images"
+PAGES_WORKFLOW = REPO_ROOT / ".github" / "workflows" / "site.yml"
 PNG_DATA_URL = "data:image/png;base64,"
 
 pytestmark = pytest.mark.slow
-
-
-def chromium_or_skip(environ):
-    """The path of Debian's chromium; skip without it, but fail in CI."""
-    path = shutil.which("chromium") or shutil.which("chromium", path="/usr/bin")
-    if path:
-        return path
-    message = (
-        "Chromium is not installed, so the HTML page cannot be opened in a browser. "
-        "Install Debian's package: `apt-get install --no-install-recommends chromium` "
-        "(.ci/run does)."
-    )
-    if environ.get("CI") == "true":
-        pytest.fail(message + " CI must run every test, so this is an error.")
-    pytest.skip(message)
 
 
 def png_pixels(data):
@@ -112,42 +84,10 @@ def distinct_colours(data, enough):
     return len(seen)
 
 
-def book_title():
-    """The book's title: the first heading of the notebook's first cell."""
-    first = nbformat.read(NOTEBOOK, as_version=4).cells[0].source
-    heading = first.lstrip().partition("\n")[0]
-    assert heading.startswith("# "), f"the first cell starts with {heading!r}"
-    return heading[2:].strip()
-
-
 @pytest.fixture(scope="module")
-def chromium():
-    return chromium_or_skip(os.environ)
-
-
-@pytest.fixture(scope="module")
-def page(executed_notebook, tmp_path_factory):
-    """The executed notebook as HTML, written by `make html`'s exporter."""
-    out = tmp_path_factory.mktemp("html") / "the_annotated_transformer.html"
-    subprocess.run(
-        [sys.executable, str(EXPORT_HTML), str(executed_notebook), "--out", str(out)],
-        check=True,
-        cwd=REPO_ROOT,
-    )
-    return out
-
-
-def run_chromium(chromium, page, profile, *args):
-    """Run headless Chromium on `page` with a fresh profile; return its stdout."""
-    result = subprocess.run(
-        [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args, page.as_uri()],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert result.returncode == 0, f"chromium failed:\n{result.stderr[-3000:]}"
-    return result.stdout
+def page(built_site):
+    """The book's page as `make site` wrote it."""
+    return built_site / "index.html"
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +96,7 @@ def screenshot(chromium, page, tmp_path_factory):
     path = folder / "page.png"
     run_chromium(
         chromium,
-        page,
+        page.as_uri(),
         folder / "profile",
         f"--screenshot={path}",
         "--window-size=1280,4000",
@@ -168,7 +108,7 @@ def screenshot(chromium, page, tmp_path_factory):
 def dom(chromium, page, tmp_path_factory):
     """The page's DOM after its scripts (MathJax) ran, parsed."""
     folder = tmp_path_factory.mktemp("dom")
-    html = run_chromium(chromium, page, folder / "profile", "--dump-dom")
+    html = run_chromium(chromium, page.as_uri(), folder / "profile", "--dump-dom")
     return BeautifulSoup(html, "html.parser")
 
 
@@ -232,3 +172,90 @@ def test_page_is_one_file_that_fetches_nothing(page):
     assert not remote_import.search(scripts), "a script imports from another host"
     for cdn in ("cdnjs.cloudflare.com", "require.min.js", "mermaid", "unpkg.com"):
         assert cdn not in html, f"the page still mentions {cdn}"
+
+
+def test_site_holds_the_page_the_figures_and_the_executed_notebook(built_site):
+    # Exactly these: a file that a cell wrote in its working folder (the site being
+    # built) would show up here, and so would a build folder left behind.
+    assert sorted(p.name for p in built_site.iterdir()) == [
+        ".nojekyll",
+        "images",
+        "index.html",
+        "the_annotated_transformer.ipynb",
+    ]
+    figures = sorted(p.name for p in IMAGES.glob("*.png"))
+    assert figures and sorted(p.name for p in (built_site / "images").iterdir()) == (
+        figures
+    )
+    assert sorted(p.name for p in built_site.parent.iterdir()) == ["site"]
+
+
+def make_site(site, **environ):
+    return subprocess.run(
+        ["make", "--no-print-directory", "site", f"SITE_DIR={site}"],
+        cwd=REPO_ROOT,
+        env={**os.environ, **environ},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        (
+            {"ANNOTATED_TRANSFORMER_PROFILE": "huge"},
+            "make site: $ANNOTATED_TRANSFORMER_PROFILE is 'huge'; use one of smoke, "
+            "quick, full.",
+        ),
+        (
+            {"ANNOTATED_TRANSFORMER_DATA": "/no/such/folder"},
+            "make site: $ANNOTATED_TRANSFORMER_DATA names /no/such/folder, which is "
+            "not a folder; point it at the Multi30k folder (make site DATA_DIR=...) "
+            "or unset it.",
+        ),
+    ],
+)
+def test_make_site_says_what_is_wrong_and_keeps_the_previous_site(
+    environ, message, tmp_path
+):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "index.html").write_text("the previous build")
+    # DATA_DIR names no folder, so the Makefile leaves the data variable as given.
+    result = make_site(site, DATA_DIR=str(tmp_path / "none"), **environ)
+    assert result.returncode != 0
+    assert message in result.stderr.splitlines()
+    assert "Traceback" not in result.stderr
+    assert (site / "index.html").read_text() == "the previous build"
+
+
+def test_pages_workflow_publishes_what_make_site_builds_on_pushes_to_main():
+    workflow = yaml.safe_load(PAGES_WORKFLOW.read_text())
+    triggers = workflow.get("on", workflow.get(True))  # YAML 1.1 reads `on` as true
+    assert triggers["push"]["branches"] == ["main"]
+    assert workflow["permissions"]["pages"] == "write"
+    assert workflow["permissions"]["id-token"] == "write"  # deploy-pages needs both
+    build, deploy = workflow["jobs"]["build"], workflow["jobs"]["deploy"]
+    runs = [step.get("run") for step in build["steps"]]
+    uses = {
+        step["uses"].partition("@")[0]: step.get("with", {})
+        for step in build["steps"]
+        if "uses" in step
+    }
+    data = build["env"]["DATA_DIR"]
+    # The data is downloaded by the project's own command into the cached folder,
+    # before the same target a reader runs builds the site from it.
+    download = (
+        '.venv/bin/python the_annotated_transformer.py download --data-dir "$DATA_DIR"'
+    )
+    make_site = 'make site DATA_DIR="$DATA_DIR"'
+    assert uses["actions/cache"]["path"] == data
+    assert runs.index("make setup") < runs.index(download) < runs.index(make_site)
+    assert uses["actions/upload-pages-artifact"]["path"] == "site"  # SITE_DIR's default
+    assert deploy["needs"] == "build"
+    assert [step["uses"].partition("@")[0] for step in deploy["steps"]] == [
+        "actions/deploy-pages"
+    ]

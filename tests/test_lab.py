@@ -1,0 +1,290 @@
+"""`make lab` serves the book in JupyterLab, from the project's .venv.
+
+The test runs `make lab` headless on a free port in a copy of the checkout (so that
+saving through the server cannot touch the repository), with Jupyter's own folders
+in a temporary place. It waits for the URL that `make lab` prints, opens it in
+headless Chromium (the flags of the site test) and checks that the page shows the
+book's title and its first code cell. It then asks the same server what a reader's
+actions would do: open the .py as a notebook, save the notebook, and run code in the
+kernel. The server is stopped after.
+
+JupyterLab is an optional install (`make setup-lab`, requirements-lab.txt), which
+.ci/run makes before `make test`; without it the test skips, except in CI.
+"""
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import nbformat
+import pytest
+from bs4 import BeautifulSoup
+from conftest import book_title, free_port, run_chromium
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+VENV = REPO_ROOT / ".venv"
+BOOK = "the_annotated_transformer.py"
+NOTEBOOK = "notebooks/the_annotated_transformer.ipynb"
+# What `make lab` needs from a checkout; requirement files keep their times, so that
+# make sees the venv's install stamps as up to date and installs nothing.
+CHECKOUT_FILES = [
+    "Makefile",
+    "requirements.txt",
+    "requirements-dev.txt",
+    "requirements-lab.txt",
+    BOOK,
+    NOTEBOOK,
+]
+BOOK_URL = re.compile(
+    r"http://127\.0\.0\.1:(\d+)/lab/tree/notebooks/the_annotated_transformer\.ipynb"
+    r"\?token=(\w+)"
+)
+
+pytestmark = pytest.mark.slow
+
+
+def lab_installed_or_skip(environ):
+    """Skip unless `make setup-lab` is up to date in the .venv; fail in CI."""
+    stamp = VENV / ".lab-installed"
+    up_to_date = subprocess.run(
+        ["make", "--question", str(stamp.relative_to(REPO_ROOT))],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        check=False,
+    )
+    if up_to_date.returncode == 0:
+        return
+    message = (
+        "JupyterLab is not installed in .venv (or requirements-lab.txt changed since): "
+        "run `make setup-lab` (.ci/run does)."
+    )
+    if environ.get("CI") == "true":
+        pytest.fail(message + " CI must run every test, so this is an error.")
+    pytest.skip(message)
+
+
+class Lab:
+    """`make lab` running in the background; `lines` collects what it prints."""
+
+    def __init__(self, checkout, options, env):
+        self.lines = []
+        self.process = subprocess.Popen(
+            ["make", "--no-print-directory", "lab"]
+            + [f"{name}={value}" for name, value in options.items()],
+            cwd=checkout,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # its own process group: make, sh and jupyter
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.process.stdout:
+            self.lines.append(line)
+
+    def output(self):
+        return "".join(self.lines)
+
+    def wait_for_url(self, timeout):
+        """The book's URL, port and token, once printed and answering."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"make lab stopped:\n{self.output()}"
+            match = BOOK_URL.search(self.output())
+            if match and answers(int(match.group(1))):
+                return match.group(0), int(match.group(1)), match.group(2)
+            time.sleep(0.5)
+        pytest.fail(f"make lab printed no URL in {timeout} s:\n{self.output()}")
+
+    def stop(self, port, timeout=60):
+        """Send SIGTERM to make, sh and jupyter; wait until the port is closed."""
+        os.killpg(self.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while answers(port) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if answers(port):
+            os.killpg(self.process.pid, signal.SIGKILL)
+            pytest.fail(f"the server ignored SIGTERM for {timeout} s")
+        self.process.wait(timeout=timeout)
+
+
+def answers(port):
+    """True while something accepts connections on 127.0.0.1:port."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A running `make lab` server: its checkout, URL, port, token and data folder."""
+    lab_installed_or_skip(os.environ)
+    root = tmp_path_factory.mktemp("lab")
+    checkout = root / "checkout"
+    for name in CHECKOUT_FILES:
+        (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO_ROOT / name, checkout / name)
+    data = root / "multi30k"  # exists, so make hands it to the kernel
+    data.mkdir()
+    env = dict(os.environ)
+    env.pop("ANNOTATED_TRANSFORMER_DATA", None)  # must come from DATA_DIR
+    for variable, name in [
+        ("JUPYTER_CONFIG_DIR", "config"),
+        ("JUPYTER_DATA_DIR", "data"),
+        ("JUPYTER_RUNTIME_DIR", "runtime"),
+        ("IPYTHONDIR", "ipython"),
+    ]:
+        env[variable] = str(root / name)
+    options = {
+        "VENV": VENV,
+        "DATA_DIR": data,
+        "LAB_PORT": free_port(),
+        "LAB_OPTIONS": "--no-browser",
+    }
+    server = Lab(checkout, options, env)
+    url, port, token = server.wait_for_url(timeout=180)
+    try:
+        yield {
+            "url": url,
+            "port": port,
+            "token": token,
+            "checkout": checkout,
+            "data": data,
+        }
+    finally:
+        server.stop(port)
+    assert "Shutting down" in server.output(), server.output()[-3000:]
+
+
+def api(lab, path, method="GET", body=None):
+    """Call the server's REST API; return the decoded JSON."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{lab['port']}/api/{path}",
+        method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Authorization": f"token {lab['token']}"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        text = response.read()
+    return json.loads(text) if text else None
+
+
+def test_the_book_opens_in_jupyterlab_in_a_browser(lab, chromium, tmp_path):
+    html = run_chromium(
+        chromium,
+        lab["url"],
+        tmp_path / "profile",
+        "--dump-dom",
+        # JupyterLab builds the notebook with scripts after the page loads.
+        "--virtual-time-budget=60000",
+    )
+    dom = BeautifulSoup(html, "html.parser")
+    headings = [h.get_text(strip=True).rstrip("¶") for h in dom.select(".jp-Cell h1")]
+    assert book_title() in headings, f"no title among {headings[:3]}"
+    notebook = nbformat.read(REPO_ROOT / NOTEBOOK, as_version=4)
+    first_code = next(c for c in notebook.cells if c.cell_type == "code").source
+    shown = dom.select_one(".jp-CodeCell .cm-content")
+    assert shown is not None, "the page shows no code cell"
+    lines = [line.get_text() for line in shown.select(".cm-line")]
+    assert [line for line in lines if line.strip()] == [
+        line for line in first_code.splitlines() if line.strip()
+    ]
+
+
+def test_the_py_opens_as_the_same_notebook(lab):
+    from_py = api(lab, f"contents/{BOOK}?type=notebook&content=1")["content"]
+    from_ipynb = api(lab, f"contents/{NOTEBOOK}?content=1")["content"]
+    cells = [(c["cell_type"], c["source"]) for c in from_ipynb["cells"]]
+    assert [(c["cell_type"], c["source"]) for c in from_py["cells"]] == cells
+
+
+def test_saving_the_notebook_writes_the_py_too(lab):
+    model = api(lab, f"contents/{NOTEBOOK}?content=1")
+    notebook = model["content"]
+    marker = f"A note a reader added ({uuid.uuid4().hex})."
+    notebook["cells"][0]["source"] += f"\n\n{marker}"
+    api(lab, f"contents/{NOTEBOOK}", "PUT", {"type": "notebook", "content": notebook})
+    book = (lab["checkout"] / BOOK).read_text(encoding="utf-8")
+    assert f"# {marker}" in book
+    saved = nbformat.read(lab["checkout"] / NOTEBOOK, as_version=4)
+    assert saved.cells[0].source.endswith(marker)
+
+
+def run_in_kernel(lab, code, timeout=120):
+    """Start a kernel through the server, run `code`, return what it printed."""
+    from tornado.httpclient import HTTPRequest
+    from tornado.websocket import websocket_connect
+
+    kernel = api(lab, "kernels", "POST", {"name": "python3"})
+    session = uuid.uuid4().hex
+
+    async def talk():
+        url = (
+            f"ws://127.0.0.1:{lab['port']}/api/kernels/{kernel['id']}/channels"
+            f"?session_id={session}"
+        )
+        headers = {"Authorization": f"token {lab['token']}"}
+        socket = await websocket_connect(HTTPRequest(url, headers=headers))
+        msg_id = uuid.uuid4().hex
+        request = {
+            "header": {
+                "msg_id": msg_id,
+                "msg_type": "execute_request",
+                "session": session,
+                "username": "test",
+                "version": "5.3",
+                "date": "",
+            },
+            "parent_header": {},
+            "metadata": {},
+            "content": {"code": code, "silent": False, "allow_stdin": False},
+            "channel": "shell",
+            "buffers": [],
+        }
+        await socket.write_message(json.dumps(request))
+        printed = []
+        while True:
+            message = json.loads(await socket.read_message())
+            if message["parent_header"].get("msg_id") != msg_id:
+                continue
+            if message["msg_type"] == "stream":
+                printed.append(message["content"]["text"])
+            if message["msg_type"] == "error":
+                raise AssertionError("\n".join(message["content"]["traceback"]))
+            if (
+                message["msg_type"] == "status"
+                and message["content"]["execution_state"] == "idle"
+            ):
+                socket.close()
+                return "".join(printed)
+
+    try:
+        return asyncio.run(asyncio.wait_for(talk(), timeout))
+    finally:
+        api(lab, f"kernels/{kernel['id']}", "DELETE")
+
+
+def test_the_kernel_is_the_projects_venv_with_the_data_folder(lab):
+    printed = run_in_kernel(
+        lab,
+        "import os, sys\n"
+        "print(sys.prefix)\n"
+        "print(os.environ.get('ANNOTATED_TRANSFORMER_DATA'))\n",
+    )
+    prefix, data = printed.splitlines()
+    assert Path(prefix).resolve() == VENV.resolve()
+    assert Path(data) == lab["data"]

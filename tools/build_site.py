@@ -1,0 +1,137 @@
+"""Build the book's website (`make site`): one folder that a static host serves.
+
+    python tools/build_site.py --out site
+
+The folder holds
+  index.html                        the book, every cell run, as one offline page
+                                    (tools/export_html.py: math, charts, figures inside)
+  the_annotated_transformer.ipynb   the executed notebook, outputs included
+  images/                           the figures, for linking to them one by one
+  .nojekyll                         GitHub Pages serves the files as they are
+
+The book is read from the_annotated_transformer.py, so the site shows the book as it
+stands even before `make notebook`. Its cells run with the kernel `python3` of the
+Python that runs this script (the project's .venv under `make site`), in the folder
+being built: a cell that wrote a file would show up in the site, and the tests check
+that none does. The profile comes from $ANNOTATED_TRANSFORMER_PROFILE (the book's
+default, `quick`, when unset) and Part 3 finds Multi30k through
+$ANNOTATED_TRANSFORMER_DATA. The folder is built beside --out and replaces it only
+once complete, so a failed build leaves the previous site as it was.
+"""
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from export_html import export_html
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BOOK = REPO_ROOT / "the_annotated_transformer.py"
+IMAGES = REPO_ROOT / "images"
+PROFILE_ENV = "ANNOTATED_TRANSFORMER_PROFILE"
+
+
+class BuildError(Exception):
+    """Something the person building the site can fix; the message says what."""
+
+
+def check_environment(environ):
+    """Fail early, in one line, on a profile or data folder the notebook cannot use."""
+    sys.path.insert(0, str(REPO_ROOT))
+    from the_annotated_transformer import DATA_ENV, PROFILES
+
+    profile = environ.get(PROFILE_ENV, "quick")
+    if profile not in PROFILES:
+        raise BuildError(
+            f"${PROFILE_ENV} is {profile!r}; use one of {', '.join(PROFILES)}."
+        )
+    data = environ.get(DATA_ENV)
+    if data and not Path(data).is_dir():
+        raise BuildError(
+            f"${DATA_ENV} names {data}, which is not a folder; point it at the "
+            "Multi30k folder (make site DATA_DIR=...) or unset it."
+        )
+    if not data:
+        print(
+            f"note: ${DATA_ENV} is not set, so Part 3's cells will only say how to "
+            "get Multi30k; the page will have no translations or BLEU.",
+            flush=True,
+        )
+    return profile
+
+
+def execute(notebook, folder):
+    """Run every cell of `notebook` in `folder`, printing each as it finishes."""
+    from nbclient import NotebookClient
+
+    code_cells = sum(cell.cell_type == "code" for cell in notebook.cells)
+    done, start = 0, time.perf_counter()
+
+    def report(cell, cell_index, execute_reply):
+        nonlocal done
+        if cell.cell_type != "code":
+            return
+        done += 1
+        first_line = cell.source.strip().partition("\n")[0][:60]
+        elapsed = time.perf_counter() - start
+        print(f"[{done}/{code_cells}, {elapsed:5.0f} s] {first_line}", flush=True)
+
+    client = NotebookClient(
+        notebook,
+        timeout=3600,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(folder)}},
+        on_cell_executed=report,
+    )
+    client.execute()  # raises CellExecutionError, naming the cell, on an error
+
+
+def build_site(out):
+    """Build the site into `out`; return the path of its index.html."""
+    import jupytext
+    import nbformat
+
+    out = Path(out).resolve()
+    profile = check_environment(os.environ)
+    building = out.with_name(out.name + ".building")
+    shutil.rmtree(building, ignore_errors=True)
+    building.mkdir(parents=True)
+
+    print(f"executing the book with the {profile} profile in {building}", flush=True)
+    notebook = jupytext.read(BOOK)
+    execute(notebook, building)
+    # A copy to read and download, not a second source: unpaired from the .py.
+    notebook.metadata.pop("jupytext", None)
+    executed = building / "the_annotated_transformer.ipynb"
+    nbformat.write(notebook, executed)
+    export_html(executed, building / "index.html")
+    shutil.copytree(IMAGES, building / "images")
+    (building / ".nojekyll").touch()
+
+    previous = out.with_name(out.name + ".previous")
+    shutil.rmtree(previous, ignore_errors=True)
+    if out.exists():
+        out.rename(previous)
+    building.rename(out)
+    shutil.rmtree(previous, ignore_errors=True)
+    return out / "index.html"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
+    parser.add_argument("--out", default="site", help="the site's folder (site/)")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    try:
+        index = build_site(args.out)
+    except BuildError as error:
+        sys.exit(f"make site: {error}")
+    minutes = (time.perf_counter() - start) / 60
+    print(f"wrote {index} ({index.stat().st_size:,} bytes) in {minutes:.1f} min")
+
+
+if __name__ == "__main__":
+    main()
