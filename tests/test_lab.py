@@ -88,7 +88,8 @@ class Lab:
             text=True,
             start_new_session=True,  # its own process group: make, sh and jupyter
         )
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self):
         for line in self.process.stdout:
@@ -118,6 +119,9 @@ class Lab:
             os.killpg(self.process.pid, signal.SIGKILL)
             pytest.fail(f"the server ignored SIGTERM for {timeout} s")
         self.process.wait(timeout=timeout)
+        # The output ends when the last of make, sh and jupyter has exited.
+        self.reader.join(timeout=timeout)
+        assert not self.reader.is_alive(), "a process of make lab is still running"
 
 
 def answers(port):
@@ -203,6 +207,13 @@ def test_the_book_opens_in_jupyterlab_in_a_browser(lab, chromium, tmp_path):
     assert [line for line in lines if line.strip()] == [
         line for line in first_code.splitlines() if line.strip()
     ]
+    # What the server told the page: no news feed to fetch, no extension store, and
+    # jupytext's front end loaded (it offers "Open With > Jupytext Notebook").
+    config = json.loads(dom.select_one("#jupyter-config-data").get_text())
+    assert config["news"] == {"disabled": True}
+    assert config["extensionManager"]["can_install"] is False
+    extensions = {extension["name"] for extension in config["federated_extensions"]}
+    assert "jupyterlab-jupytext" in extensions
 
 
 def test_the_py_opens_as_the_same_notebook(lab):
