@@ -65,6 +65,13 @@ def point_data_at(folder, tmp_path, monkeypatch):
         monkeypatch.setenv(tat.DATA_ENV, str(tmp_path))
 
 
+def skip_or_fail_in_ci(environ, message):
+    """Skip the test with `message`, but fail it under CI=true: CI runs every test."""
+    if environ.get("CI") == "true":
+        pytest.fail(message + " CI must run every test, so this is an error.")
+    pytest.skip(message)
+
+
 def data_dir_or_skip(environ):
     """The data folder named in `environ`; skip without it, but fail in CI."""
     value = environ.get(tat.DATA_ENV)
@@ -74,9 +81,7 @@ def data_dir_or_skip(environ):
         f"${tat.DATA_ENV} is not set, so the Multi30k tests cannot find the data. "
         "Point it at a folder holding the six Multi30k files (`make test` does)."
     )
-    if environ.get("CI") == "true":
-        pytest.fail(message + " CI must run every test, so this is an error.")
-    pytest.skip(message)
+    skip_or_fail_in_ci(environ, message)
 
 
 @pytest.fixture(scope="session")
@@ -158,9 +163,7 @@ def chromium_or_skip(environ):
         "Install Debian's package: `apt-get install --no-install-recommends chromium` "
         "(.ci/run does)."
     )
-    if environ.get("CI") == "true":
-        pytest.fail(message + " CI must run every test, so this is an error.")
-    pytest.skip(message)
+    skip_or_fail_in_ci(environ, message)
 
 
 @pytest.fixture(scope="session")
