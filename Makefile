@@ -113,7 +113,8 @@ site: $(STAMP)
 	$(VENV_PYTHON) tools/build_site.py --out $(SITE_DIR)
 
 # JupyterLab on the book, served from this folder, with the venv's kernel first on
-# the kernel search path (a `python3` kernel of the user's own cannot shadow it).
+# the kernel search path (a `python3` kernel of the user's own cannot shadow it;
+# a JUPYTER_PATH already set is kept after it).
 # jupytext's server extension, installed with it, pairs the .py and the notebook.
 # Nothing is fetched at run time: no news feed, no update check, no extension store.
 # Jupyter prints the URL, token included; LAB_OPTIONS=--no-browser opens no browser.
@@ -123,7 +124,8 @@ ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 lab: $(LAB_STAMP)
 	@echo "Starting JupyterLab on the book; open the URL it prints. Ctrl-C twice stops it."
-	JUPYTER_PATH="$(abspath $(VENV))/share/jupyter" $(BIN)/jupyter lab \
+	JUPYTER_PATH="$(abspath $(VENV))/share/jupyter$${JUPYTER_PATH:+:$$JUPYTER_PATH}" \
+		$(BIN)/jupyter lab \
 		--ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
 		--ServerApp.root_dir="$(CURDIR)" \
 		--LabApp.default_url=/lab/tree/$(NOTEBOOK) \
