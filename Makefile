@@ -118,16 +118,18 @@ site: $(STAMP)
 # jupytext's server extension, installed with it, pairs the .py and the notebook.
 # Nothing is fetched at run time: no news feed, no update check, no extension store.
 # Jupyter prints the URL, token included; LAB_OPTIONS=--no-browser opens no browser.
+# answer_yes: one Ctrl-C stops the server, without Jupyter's "Shut down (y/[n])?".
 LAB_PORT ?= 8888
 LAB_OPTIONS ?=
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 lab: $(LAB_STAMP)
-	@echo "Starting JupyterLab on the book; open the URL it prints. Ctrl-C twice stops it."
+	@echo "Starting JupyterLab on the book; open the URL it prints. Ctrl-C stops it."
 	JUPYTER_PATH="$(abspath $(VENV))/share/jupyter$${JUPYTER_PATH:+:$$JUPYTER_PATH}" \
 		$(BIN)/jupyter lab \
 		--ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
 		--ServerApp.root_dir="$(CURDIR)" \
+		--ServerApp.answer_yes=True \
 		--LabApp.default_url=/lab/tree/$(NOTEBOOK) \
 		--LabApp.news_url=None \
 		--LabApp.check_for_updates_class=jupyterlab.handlers.announcements.NeverCheckForUpdate \

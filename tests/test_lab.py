@@ -15,6 +15,7 @@ JupyterLab is an optional install (`make setup-lab`, requirements-lab.txt), whic
 import asyncio
 import json
 import os
+import pty
 import re
 import shutil
 import signal
@@ -76,16 +77,22 @@ class Lab:
 
     def __init__(self, checkout, options, env):
         self.lines = []
+        # Its input is a terminal, as in a reader's shell: Jupyter handles Ctrl-C its
+        # own way only then (with input from a pipe, SIGINT just raises
+        # KeyboardInterrupt), and that is the way `stop` tests.
+        self.terminal, follower = pty.openpty()
         self.process = subprocess.Popen(
             ["make", "--no-print-directory", "lab"]
             + [f"{name}={value}" for name, value in options.items()],
             cwd=checkout,
             env=env,
+            stdin=follower,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,  # its own process group: make, sh and jupyter
         )
+        os.close(follower)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
@@ -108,18 +115,31 @@ class Lab:
         pytest.fail(f"make lab printed no URL in {timeout} s:\n{self.output()}")
 
     def stop(self, port, timeout=60):
-        """Send SIGTERM to make, sh and jupyter; wait until the port is closed."""
-        os.killpg(self.process.pid, signal.SIGTERM)
+        """Press Ctrl-C once: SIGINT to make, sh and jupyter, as a terminal sends it to
+        its foreground group. Wait until the port is closed. Jupyter would ask
+        "Shut down this Jupyter server (y/[n])?" and carry on unless make lab told it
+        to answer yes; a server still up after `timeout` fails the test."""
+        os.killpg(self.process.pid, signal.SIGINT)
         deadline = time.monotonic() + timeout
         while answers(port) and time.monotonic() < deadline:
             time.sleep(0.5)
         if answers(port):
-            os.killpg(self.process.pid, signal.SIGKILL)
-            pytest.fail(f"the server ignored SIGTERM for {timeout} s")
+            self.kill()
+            pytest.fail(f"one Ctrl-C did not stop the server in {timeout} s")
         self.process.wait(timeout=timeout)
+        os.close(self.terminal)
         # The output ends when the last of make, sh and jupyter has exited.
         self.reader.join(timeout=timeout)
         assert not self.reader.is_alive(), "a process of make lab is still running"
+
+    def kill(self):
+        """SIGKILL to whatever of make lab still runs; close its terminal."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+        os.close(self.terminal)
 
 
 def answers(port):
@@ -158,7 +178,11 @@ def lab(tmp_path_factory):
         "LAB_OPTIONS": "--no-browser",
     }
     server = Lab(checkout, options, env)
-    url, port, token = server.wait_for_url(timeout=180)
+    try:
+        url, port, token = server.wait_for_url(timeout=180)
+    except BaseException:  # pytest.fail's exception included: leave nothing running
+        server.kill()
+        raise
     try:
         yield {
             "url": url,
@@ -170,6 +194,7 @@ def lab(tmp_path_factory):
     finally:
         server.stop(port)
     assert "Shutting down" in server.output(), server.output()[-3000:]
+    assert "Shut down this Jupyter server" not in server.output()  # it did not ask
 
 
 def api(lab, path, method="GET", body=None):
