@@ -40,7 +40,12 @@ sys.path.insert(0, str(ROOT))
 
 import the_annotated_transformer as tat  # noqa: E402
 from workshop import fast  # noqa: E402
-from workshop.runs import RunConfig, bf16_matmul_speedup  # noqa: E402
+from workshop.runs import (  # noqa: E402
+    RunConfig,
+    bf16_matmul_speedup,
+    loss_compute_for_run,
+    models_for_run,
+)
 
 DEFAULT_JSON = "benchmarks/results.json"
 MAX_SENTENCE = 24  # issue #6: ragged sentences of up to 24 tokens
@@ -360,22 +365,18 @@ def trainer(model, amp_dtype=None, smoothing=0.1, warmup=4000):
 
     LabelSmoothing (workshop.fast's, as training runs use) + SimpleLossCompute +
     make_optimizer, through run_epoch; the function returns run_epoch's mean loss per
-    target token.
+    target token. A bfloat16 amp_dtype wraps the model and the loss as training runs
+    do (workshop.runs' Autocast and AutocastLossCompute).
     """
     d_model, vocab = model.generator.proj.in_features, model.generator.proj.out_features
     criterion = fast.LabelSmoothing(vocab, tat.PAD, smoothing)
-    loss_compute = tat.SimpleLossCompute(model.generator, criterion)
+    loss_compute = loss_compute_for_run(model.generator, criterion, amp_dtype)
+    trained, _ = models_for_run(model, amp_dtype)
     optimizer, scheduler = tat.make_optimizer(model, model_size=d_model, warmup=warmup)
 
     def train(batches):
         loss, _ = tat.run_epoch(
-            iter(batches),
-            model,
-            loss_compute,
-            optimizer,
-            scheduler,
-            quiet=True,
-            amp_dtype=amp_dtype,
+            iter(batches), trained, loss_compute, optimizer, scheduler, mode="train"
         )
         return loss
 

@@ -58,9 +58,16 @@ def loaded_by_importing_the_book(packages):
 
 
 def point_data_at(folder, tmp_path, monkeypatch):
-    """Leave the data variable unset (folder None) or point it at an empty folder."""
+    """Leave the data variable unset (folder None), with the notebook's default folder
+    empty and its download refused at once (a closed port on this machine, as
+    without network), or point the variable at an empty folder."""
     if folder is None:
         monkeypatch.delenv(tat.DATA_ENV, raising=False)
+        default = tmp_path / "data" / "multi30k"
+        monkeypatch.setattr(tat, "default_data_dir", lambda: default)
+        closed = f"http://127.0.0.1:{free_port()}/"  # nothing listens there
+        offline = functools.partial(tat.fetch_multi30k, base_url=closed)
+        monkeypatch.setattr(tat, "fetch_multi30k", offline)
     else:
         monkeypatch.setenv(tat.DATA_ENV, str(tmp_path))
 
@@ -348,7 +355,7 @@ def tiny_checkpoint(path, seed, epoch=0, words=WORDS, **overrides):
         norm_first=config.norm_first,
     )
     state = {
-        "model": runs._weights_only(model.state_dict()),
+        "model": runs.without_positional_tables(model.state_dict()),
         "config": config.to_dict(),
         "epoch": epoch,
         "vocab_src": vocab,

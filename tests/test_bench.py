@@ -31,3 +31,20 @@ def test_time_decoding_steps_through_the_cache_it_is_given():
     cache = tat.KVCache(model)
     bench.time_decoding(model, memory, src_mask, 5, cache)
     assert cache.length == 5  # one position per generated token, all through it
+
+
+def test_trainer_in_bf16_trains_the_model_and_its_loss_under_autocast():
+    bench = load_bench()
+    sizes = bench.Sizes(N=1, d_model=32, d_ff=64, h=4, vocab=50)
+    model = sizes.make_model(seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    seen = []  # inside the model (a feed-forward layer) and in the loss (generator)
+    for layer in (model.encoder.layers[0].feed_forward.w_1, model.generator.proj):
+        layer.register_forward_hook(lambda module, inputs, out: seen.append(out.dtype))
+    batches = bench.synthetic_batches(2, sizes.vocab, batch_size=4)
+    loss = bench.trainer(model, torch.bfloat16)(batches)
+    assert seen == [torch.bfloat16] * 4  # two batches, two layers each
+    assert torch.isfinite(torch.tensor(loss))
+    after = list(model.parameters())
+    assert all(p.dtype == torch.float32 for p in after)
+    assert any(not torch.equal(p, q) for p, q in zip(after, before, strict=True))

@@ -191,4 +191,7 @@ def test_the_books_parameter_saving_cell_checks_2_v_d(capsys):
     # As the notebook calls it: the quick profile's sizes.
     quick = tat.TrainConfig(**tat.PROFILES["quick"])
     assert tat.example_shared_embeddings(500) == 2 * 500 * quick.d_model
-    assert f"(2 x 500 x {quick.d_model})" in capsys.readouterr().out
+    saved = 2 * 500 * quick.d_model
+    assert f"saved: {saved:,}; 2 x 500 x {quick.d_model} = {saved:,}" in (
+        capsys.readouterr().out
+    )

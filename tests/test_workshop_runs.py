@@ -1,10 +1,12 @@
 """workshop.runs: training runs, their settings, checkpoints and vocabulary files.
 
 Profiles and settings (word and subword vocabularies), a run's data, checkpoints and
-resuming, time limits, averaging checkpoints, data-parallel training in two
-processes, learning, subword runs end to end, and the bf16 probe. The tests that
-train find Multi30k through $ANNOTATED_TRANSFORMER_DATA: without it they are skipped
-on a laptop, but fail in CI (CI=true).
+resuming (state dicts without the positional tables), time limits, averaging
+checkpoints, data-parallel training (the loss's norm over processes, gradients
+exchanged once per optimizer step, two processes end to end), learning, subword runs
+end to end, and bf16 (the probe, the autocast wrappers around the book's model and
+loss). The tests that train find Multi30k through $ANNOTATED_TRANSFORMER_DATA:
+without it they are skipped on a laptop, but fail in CI (CI=true).
 """
 
 import dataclasses
@@ -113,6 +115,20 @@ def test_base_profile_is_the_papers_base_model():
     assert config.dropout == 0.1 and config.label_smoothing == 0.1
 
 
+def test_the_books_profile_names_mean_the_same_settings_in_a_run():
+    assert set(tat.PROFILES) <= set(runs.TRAIN_PROFILES)
+    assert runs.TRAIN_PROFILES["smoke"] == {**tat.PROFILES["smoke"], "log_every": 10}
+    for name in ("quick", "base"):
+        assert runs.TRAIN_PROFILES[name] == tat.PROFILES[name], name
+    quick = runs.RunConfig.from_profile("quick")
+    assert (quick.epochs, quick.max_train_pairs) == (2, 20000)
+    book = {f.name for f in dataclasses.fields(tat.TrainConfig)}
+    run = quick.to_dict()
+    assert {k: run[k] for k in book} == dataclasses.asdict(
+        tat.TrainConfig(**tat.PROFILES["quick"])
+    )
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -184,7 +200,7 @@ def test_an_old_style_word_checkpoint_still_rebuilds_its_model(tmp_path):
     runs.save_checkpoint(
         path,
         {
-            "model": runs._weights_only(model.state_dict()),
+            "model": runs.without_positional_tables(model.state_dict()),
             "config": old_style_config(),
             "epoch": 0,
             "vocab_src": itos,
@@ -199,6 +215,61 @@ def test_an_old_style_word_checkpoint_still_rebuilds_its_model(tmp_path):
     projection = rebuilt.generator.proj.weight
     assert torch.equal(projection, model.generator.proj.weight)
     assert projection.data_ptr() != rebuilt.tgt_embed[0].lut.weight.data_ptr()
+
+
+def saved_smoke_model(path, seed=0):
+    """A smoke-profile model saved as training saves it: without the `*.pe` tables."""
+    config = runs.RunConfig.from_profile("smoke")
+    itos = [*tat.SPECIALS, "a", "dog", "runs", "."]
+    torch.manual_seed(seed)
+    model = config.make_model(len(itos), len(itos)).eval()
+    weights = runs.without_positional_tables(model.state_dict())
+    checkpoint = {"model": weights, "config": config.to_dict(), "epoch": 0}
+    runs.save_checkpoint(path, checkpoint | {"vocab_src": itos, "vocab_tgt": itos})
+    return model
+
+
+def test_a_checkpoint_without_positional_tables_gives_the_saving_models_outputs(
+    tmp_path,
+):
+    model = saved_smoke_model(tmp_path / "epoch_001.pt")
+    checkpoint = runs.load_checkpoint(tmp_path / "epoch_001.pt")
+    tables = [k for k in model.state_dict() if k.endswith(".pe")]
+    assert tables and not any(k.endswith(".pe") for k in checkpoint["model"])
+    rebuilt, *_ = runs.model_from_checkpoint(checkpoint)
+    src = torch.tensor([[0, 4, 5, 6, 1], [0, 7, 1, 2, 2]])
+    tgt = torch.tensor([[0, 5, 4], [0, 6, 2]])
+    masks = tat.padding_mask(src, tat.PAD), tat.subsequent_mask(3)
+    with torch.no_grad():  # the same weights and the same arithmetic: equal bits
+        want = model.generator(model(src, tgt, *masks))
+        got = rebuilt.generator(rebuilt(src, tgt, *masks))
+    assert torch.equal(got, want)
+    for name in tables:  # the tables were filled from the rebuilt model itself
+        assert torch.equal(rebuilt.state_dict()[name], model.state_dict()[name])
+
+
+@pytest.mark.parametrize("change", ["drop a weight", "add a weight"])
+def test_filling_the_positional_tables_leaves_loading_strict(tmp_path, change):
+    saved_smoke_model(tmp_path / "epoch_001.pt")
+    checkpoint = runs.load_checkpoint(tmp_path / "epoch_001.pt")
+    if change == "drop a weight":
+        del checkpoint["model"]["generator.proj.bias"]
+    else:
+        checkpoint["model"]["generator.extra"] = torch.zeros(3)
+    with pytest.raises(DataError, match="do not fit"):
+        runs.model_from_checkpoint(checkpoint)
+
+
+def test_with_positional_tables_keeps_the_tables_a_state_dict_has():
+    model = runs.RunConfig.from_profile("smoke").make_model(11, 11)
+    state = model.state_dict()
+    name = next(k for k in state if k.endswith(".pe"))
+    marked = {name: torch.zeros_like(state[name])}
+    filled = runs.with_positional_tables(marked, model)
+    assert torch.equal(filled[name], marked[name])
+    tables = {k for k in state if k.endswith(".pe")}
+    assert set(filled) == tables
+    assert not tables & set(runs.without_positional_tables(state))
 
 
 def test_a_bpe_checkpoint_without_its_vocabulary_raises_data_error():
@@ -441,6 +512,188 @@ def test_average_checkpoints_refuses_checkpoints_with_different_vocabularies(tmp
         runs.average_checkpoints(
             [tmp_path / "a.pt", tmp_path / "b.pt"], tmp_path / "m.pt"
         )
+
+
+# ---------------------------------------------------------------------------
+# Data-parallel training: the loss's norm, one gradient exchange per step
+
+DDP_VOCAB = 13
+
+
+def ddp_test_model():
+    """A one-layer float64 Transformer, seeded, without dropout."""
+    torch.manual_seed(0)
+    tiny = dict(N=1, d_model=16, d_ff=32, h=2, dropout=0.0)
+    return tat.make_model(DDP_VOCAB, DDP_VOCAB, **tiny).double()
+
+
+def ddp_halves():
+    """Two Batches, the halves of one global batch: the second holds two short
+    sentences, so the halves have different numbers of target tokens."""
+    gen = torch.Generator().manual_seed(1)
+    src = torch.randint(4, DDP_VOCAB, (5, 9), generator=gen)
+    tgt = torch.randint(4, DDP_VOCAB, (5, 9), generator=gen)
+    src[:, 0] = tgt[:, 0] = tat.BOS
+    for row, length in ((3, 3), (4, 5)):
+        src[row, length:] = tat.PAD
+        tgt[row, length - 1] = tat.EOS
+        tgt[row, length:] = tat.PAD
+    halves = (slice(0, 3), slice(3, 5))
+    return [tat.Batch(src[rows], tgt[rows], tat.PAD) for rows in halves]
+
+
+def ddp_criterion():
+    return tat.LabelSmoothing(DDP_VOCAB, tat.PAD, 0.1)
+
+
+def sgd_epoch(model, module, loss_compute, batches, accum_iter=1):
+    """The book's run_epoch with plain SGD; returns the module's state dict."""
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
+    tat.run_epoch(batches, model, loss_compute, optimizer, accum_iter=accum_iter)
+    return module.state_dict()
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    """A gloo process group of this process alone (world size 1), destroyed after."""
+    rendezvous = f"file://{tmp_path / 'rendezvous'}"
+    torch.distributed.init_process_group(
+        "gloo", init_method=rendezvous, rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "n_batches, synced, steps",
+    [(4, [False, True, False, True], 2), (3, [False, True, True], 2)],
+)
+def test_micro_batches_that_do_not_end_a_group_run_without_gradient_exchange(
+    one_process_group, n_batches, synced, steps
+):
+    """GroupSyncDDP turns DDP's gradient exchange off for every forward pass of a
+    micro-batch that does not end its group (every accum_iter batches, and the
+    epoch's last), as the 2018/2022 notebook's loop did with no_sync()."""
+    batches = [ddp_halves()[0]] * n_batches
+    module = ddp_test_model()
+    model = runs.GroupSyncDDP(module)
+    seen = []  # DDP's public switch, as each forward pass of the module finds it
+    module.register_forward_pre_hook(
+        lambda *_: seen.append(model.require_backward_grad_sync)
+    )
+    model.plan_epoch(n_batches, accum_iter=2)
+    loss_compute = runs.DistributedLossCompute(module.generator, ddp_criterion())
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
+    _, state = tat.run_epoch(batches, model, loss_compute, optimizer, accum_iter=2)
+    assert seen == synced
+    assert state.accum_step == steps
+    # Alone in its group, the process exchanges with nobody: the gradients kept
+    # without exchange still reach each step, and the run equals the plain model's
+    # exactly (DDP divides by a world size of 1).
+    plain = ddp_test_model()
+    simple = tat.SimpleLossCompute(plain.generator, ddp_criterion())
+    want = sgd_epoch(plain, plain, simple, batches, accum_iter=2)
+    got = module.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    seen.clear()  # evaluation counts no micro-batch, and leaves the switch as it is
+    tat.run_epoch(batches, model, loss_compute, mode="eval")
+    assert seen == [True] * n_batches
+
+
+def test_ddp_without_a_plan_exchanges_gradients_after_every_micro_batch(
+    one_process_group,
+):
+    module = ddp_test_model()
+    model = runs.GroupSyncDDP(module)
+    seen = []
+    module.register_forward_pre_hook(
+        lambda *_: seen.append(model.require_backward_grad_sync)
+    )
+    loss_compute = runs.DistributedLossCompute(module.generator, ddp_criterion())
+    sgd_epoch(model, module, loss_compute, ddp_halves() * 2, accum_iter=2)
+    assert seen == [True] * 4
+
+
+def test_the_distributed_norm_is_the_mean_token_count_over_processes_as_a_tensor(
+    one_process_group,
+):
+    mean = runs.mean_over_processes(37, torch.device("cpu"))
+    assert torch.is_tensor(mean) and mean.dtype == torch.float32
+    assert mean.item() == 37.0  # one process: its own count, exactly
+    module = ddp_test_model()
+    batch = ddp_halves()[0]
+    out = module(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
+    ours = runs.DistributedLossCompute(module.generator, ddp_criterion())
+    book = tat.SimpleLossCompute(module.generator, ddp_criterion())
+    loss, node = ours(out, batch.tgt_y, 37)
+    book_loss, book_node = book(out, batch.tgt_y, 37)
+    # The same summed loss, divided by 37 as a float32 tensor or as an int: both
+    # hold 37 exactly, so the quotients are the same float64 number.
+    assert torch.equal(loss, book_loss) and torch.equal(node, book_node)
+
+
+def two_process_worker(rank, rendezvous, result_path):
+    """One of two processes: one SGD step on its half of the global batch, with the
+    run's DDP model and loss compute."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group(
+        "gloo", init_method=rendezvous, rank=rank, world_size=2
+    )
+    try:
+        module = ddp_test_model()
+        model, _ = runs.models_for_run(module, distributed=True)
+        model.plan_epoch(1, accum_iter=1)
+        loss_compute = runs.loss_compute_for_run(
+            module.generator, ddp_criterion(), distributed=True
+        )
+        state = sgd_epoch(model, module, loss_compute, [ddp_halves()[rank]])
+        if rank == 0:
+            torch.save(state, result_path)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_on_halves_of_a_batch_take_the_one_process_step(tmp_path):
+    """The run's DistributedLossCompute divides each process's loss by the mean of
+    the processes' token counts: with DDP's mean over processes, the step is the
+    mean over every token of the global batch, however unevenly they fall.
+
+    One process running both halves as two micro-batches of one group gets the
+    same gradient: each half's summed-loss gradient over all the tokens, added.
+    The two processes compute each half's gradient divided by half the token
+    count, and DDP halves it again: scalings by powers of two, exact in floating
+    point. Adding two numbers does not depend on their order, so the two runs
+    agree to the last bit."""
+    halves = ddp_halves()
+    assert halves[0].ntokens != halves[1].ntokens  # token counts differ by rank
+    rendezvous = f"file://{tmp_path / 'rendezvous'}"
+    result_path = tmp_path / "rank0.pt"
+    torch.multiprocessing.spawn(
+        two_process_worker, args=(rendezvous, str(result_path)), nprocs=2
+    )
+    two_processes = torch.load(result_path, weights_only=True)
+    whole = ddp_test_model()
+    simple = tat.SimpleLossCompute(whole.generator, ddp_criterion())
+    one_process = sgd_epoch(whole, whole, simple, halves, accum_iter=2)
+    assert all(torch.equal(two_processes[k], one_process[k]) for k in one_process)
+    # The control: each process dividing by its own token count (the book's loss
+    # compute under DDP) averages two per-half means, which weights the half with
+    # fewer tokens too much: a different step.
+    steps = []
+    for half in halves:
+        model = ddp_test_model()
+        book = tat.SimpleLossCompute(model.generator, ddp_criterion())
+        steps.append(sgd_epoch(model, model, book, [half]))
+    initial = ddp_test_model().state_dict()
+    gap = max(
+        ((steps[0][k] + steps[1][k]) / 2 - one_process[k]).abs().max().item()
+        for k in initial
+    )
+    moved = max((one_process[k] - initial[k]).abs().max().item() for k in initial)
+    assert gap > moved / 100 > 0
 
 
 # ---------------------------------------------------------------------------
@@ -695,6 +948,112 @@ def test_bf16_speedup_is_the_ratio_of_the_two_timed_products(monkeypatch):
     monkeypatch.setattr(runs.time, "perf_counter", fake_perf_counter)
     monkeypatch.setattr(torch.Tensor, "__matmul__", fake_matmul)
     assert runs.bf16_matmul_speedup("cpu", tokens=4, d_model=2) == pytest.approx(2 / 6)
+
+
+# ---------------------------------------------------------------------------
+# bf16: autocast around the book's model and loss
+
+COPY_VOCAB = 11
+
+
+def copy_batches(n=4, batch_size=16, seed=1):
+    """The book's copy-task batches (padding COPY_PAD)."""
+    gen = torch.Generator().manual_seed(seed)
+    return list(tat.data_gen(COPY_VOCAB, batch_size, n, generator=gen))
+
+
+def test_autocast_runs_the_wrapped_models_forward_in_bfloat16_on_the_cpu():
+    torch.manual_seed(0)
+    model = tat.make_model(COPY_VOCAB, COPY_VOCAB, N=2, d_model=32, d_ff=64, h=4)
+    wrapped = runs.Autocast(model).eval()
+    assert wrapped.dtype == torch.bfloat16
+    seen = []  # what a linear layer inside the model computes in, and whether
+    layer = model.encoder.layers[0].feed_forward.w_1
+    layer.register_forward_hook(
+        lambda module, inputs, output: seen.append(
+            (output.dtype, torch.is_autocast_enabled("cpu"))
+        )
+    )
+    b = copy_batches(n=1)[0]
+    args = b.src, b.tgt, b.src_mask, b.tgt_mask
+    with torch.no_grad():
+        ours = wrapped(*args)
+        plain = model(*args)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            direct = model(*args)
+    assert seen == [  # wrapped; plain; under autocast by hand
+        (torch.bfloat16, True),
+        (torch.float32, False),
+        (torch.bfloat16, True),
+    ]
+    assert not torch.is_autocast_enabled("cpu")  # switched off again after
+    assert torch.equal(ours, direct)  # the same computation as autocast by hand
+    assert not torch.equal(ours, plain)  # ... and not the float32 one
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert list(wrapped.state_dict()) == [f"model.{k}" for k in model.state_dict()]
+
+
+def test_a_bf16_model_and_loss_train_through_the_books_run_epoch():
+    torch.manual_seed(0)
+    model = tat.make_model(
+        COPY_VOCAB, COPY_VOCAB, N=2, d_model=32, d_ff=64, h=4, dropout=0.0
+    )
+    trained, evaluated = runs.models_for_run(model, torch.bfloat16)
+    assert type(trained) is runs.Autocast and evaluated is trained
+    assert trained.model is model
+    criterion = tat.LabelSmoothing(COPY_VOCAB, tat.COPY_PAD, 0.0)
+    loss_compute = runs.loss_compute_for_run(model.generator, criterion, torch.bfloat16)
+    assert type(loss_compute) is runs.AutocastLossCompute
+    scores = []  # the dtype of the generator's output, in training and evaluation
+    model.generator.proj.register_forward_hook(
+        lambda module, inputs, output: scores.append(output.dtype)
+    )
+    batches = copy_batches()
+    before, _ = tat.run_epoch(batches, evaluated, loss_compute, mode="eval")
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    state = tat.TrainState()
+    for _ in range(10):
+        tat.run_epoch(batches, trained, loss_compute, optimizer, train_state=state)
+    after, _ = tat.run_epoch(batches, evaluated, loss_compute, mode="eval")
+    assert scores == [torch.bfloat16] * len(batches) * 12
+    assert state.step == 40 and math.isfinite(after)
+    assert after < before / 2  # the untrained NLL is about log(11) = 2.4
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_a_run_picks_the_model_and_loss_wrappers_for_its_precision():
+    model = runs.RunConfig.from_profile("smoke").make_model(11, 11)
+    criterion = tat.LabelSmoothing(11, tat.PAD, 0.1)
+    assert runs.models_for_run(model) == (model, model)
+    plain = runs.loss_compute_for_run(model.generator, criterion)
+    assert type(plain) is tat.SimpleLossCompute
+    both = runs.loss_compute_for_run(model.generator, criterion, torch.bfloat16, True)
+    assert type(both) is runs.DistributedAutocastLossCompute
+    assert isinstance(both, runs.DistributedLossCompute)
+    assert isinstance(both, runs.AutocastLossCompute) and both.dtype == torch.bfloat16
+
+
+def test_a_bf16_run_trains_and_evaluates_under_autocast(
+    smoke_run, multi30k_dir, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(runs, "bf16_matmul_speedup", lambda device: 2.0)  # it pays
+    made, models_for_run = [], runs.models_for_run
+
+    def recording_models_for_run(*args, **kwargs):
+        made.append(models_for_run(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(runs, "models_for_run", recording_models_for_run)
+    history = runs.train_model(
+        smoke_config(epochs=1, bf16=True), multi30k_dir, tmp_path, quiet=True
+    )
+    [(trained, evaluated)] = made
+    assert type(trained) is type(evaluated) is runs.Autocast
+    assert math.isfinite(history[0]["val_nll"])
+    # The float32 run of the same settings computed in another precision.
+    assert history[0]["val_nll"] != smoke_run.history[0]["val_nll"]
+    weights = runs.load_checkpoint(tmp_path / "last.pt")["model"]
+    assert all(w.dtype == torch.float32 for w in weights.values())
 
 
 # ---------------------------------------------------------------------------

@@ -81,10 +81,20 @@ class LabelSmoothing(tat.LabelSmoothing):
     respect to x is -q, which the backward pass writes once.
     """
 
+    def __init__(self, size, padding_idx, smoothing=0.0):
+        super().__init__(size, padding_idx, smoothing)
+        self.last_target = None  # the targets of the last call, for true_dist
+
+    @property
+    def true_dist(self):
+        """q for the targets of the last call, as the book's LabelSmoothing has it."""
+        if self.last_target is None:
+            return None
+        return self.smoothed_targets(self.last_target)
+
     def forward(self, x, target):
-        if x.dim() != 2 or x.size(1) != self.size:
-            return super().forward(x, target)  # the book's message
-        self._last_target = target.detach()
+        """x: (n, size) log-probabilities; target: (n,) ids. Returns the summed loss."""
+        self.last_target = target.detach()
         return _SmoothedKL.apply(x, target, self)
 
 

@@ -2,7 +2,11 @@
 time limit, bfloat16 where it pays, and several processes (DistributedDataParallel).
 
 The model, the loop and the loss are the book's; a run adds what an hour-long job
-needs, and puts workshop.fast's CPU speed tricks into the model it trains.
+needs, and puts workshop.fast's CPU speed tricks into the model it trains. bfloat16
+and several processes wrap the book's pieces without copying its loop: Autocast
+around the model and AutocastLossCompute for its loss; GroupSyncDDP, which exchanges
+gradients once per optimizer step, and DistributedLossCompute, whose norm makes the
+gradient the mean over every process's tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import the_annotated_transformer as tat
 from the_annotated_transformer import (
@@ -129,10 +135,7 @@ class RunConfig(tat.TrainConfig):
 
 TRAIN_PROFILES = {
     "smoke": {**tat.PROFILES["smoke"], "log_every": 10},
-    # The notebook's quick profile trains 2 epochs on 20,000 pairs to keep the whole
-    # notebook short; a quick run from the command line trains the TrainConfig
-    # defaults: 3 epochs on every pair.
-    "quick": {**tat.PROFILES["quick"], "epochs": 3, "max_train_pairs": None},
+    "quick": tat.PROFILES["quick"],  # the book's: 2 epochs on the first 20,000 pairs
     # The README's Results: a fixed budget of 10 epochs, under an hour on a 2-core
     # CPU at about 1,300 target tokens/s. The narrow feed-forward layer (512), 4
     # heads and 2,000-token batches (229 updates an epoch) train 1.3x the tokens a
@@ -150,7 +153,7 @@ TRAIN_PROFILES = {
         epochs=10,
         time_limit=90,
     ),
-    "base": tat.PROFILES["full"],
+    "base": tat.PROFILES["base"],
 }
 
 
@@ -275,9 +278,25 @@ def save_checkpoint(path, state):
         tmp.unlink(missing_ok=True)
 
 
-def _weights_only(state_dict):
-    """A state dict without the positional-encoding tables, which are recomputed."""
+def without_positional_tables(state_dict):
+    """A state dict without the positional-encoding tables (the `*.pe` buffers):
+    they are a fixed function of the model's sizes, so checkpoints leave them out."""
     return {k: v for k, v in state_dict.items() if not k.endswith(".pe")}
+
+
+def with_positional_tables(state_dict, model):
+    """`state_dict` with every `*.pe` table it lacks taken from `model`'s own state
+    dict, for model.load_state_dict(..., strict=True): strictness then still catches
+    every other missing or unexpected entry."""
+    tables = {k: v for k, v in model.state_dict().items() if k.endswith(".pe")}
+    return {**tables, **state_dict}
+
+
+def load_weights(model, state_dict):
+    """Load a checkpoint's state dict, saved with or without the positional tables,
+    into `model` strictly; returns `model`."""
+    model.load_state_dict(with_positional_tables(state_dict, model), strict=True)
+    return model
 
 
 def load_checkpoint(path, map_location="cpu"):
@@ -330,7 +349,7 @@ def model_from_checkpoint(checkpoint, device="cpu", path="the checkpoint"):
     vocab_src, vocab_tgt = vocabs_from_checkpoint(checkpoint)
     model = config.make_model(len(vocab_src), len(vocab_tgt))
     try:
-        model.load_state_dict(checkpoint["model"])
+        load_weights(model, checkpoint["model"])
     except RuntimeError as error:
         first = str(error).strip().splitlines()[-1].strip()
         raise DataError(
@@ -407,6 +426,128 @@ def amp_dtype_for(bf16, device, say=print, distributed=False):
         "trains in float32."
     )
     return None
+
+
+# ---------------------------------------------------------------------------------
+# bfloat16 and several processes, around the book's model, loss and loop
+
+
+class Autocast(nn.Module):
+    """The wrapped model, its forward pass run under torch.autocast to `dtype`
+    (bfloat16 by default) on the device of the model's parameters. It holds no
+    weights of its own: train and save the wrapped model."""
+
+    def __init__(self, model, dtype=torch.bfloat16):
+        super().__init__()
+        self.model, self.dtype = model, dtype
+
+    def forward(self, *args, **kwargs):
+        device_type = next(self.model.parameters()).device.type
+        with torch.autocast(device_type, dtype=self.dtype):
+            return self.model(*args, **kwargs)
+
+
+class AutocastLossCompute(SimpleLossCompute):
+    """The book's SimpleLossCompute with the generator and the criterion run under
+    torch.autocast to `dtype`, as Autocast runs the model: in training (__call__)
+    and in evaluation (nll)."""
+
+    def __init__(self, generator, criterion, dtype=torch.bfloat16):
+        super().__init__(generator, criterion)
+        self.dtype = dtype
+
+    def autocast(self, x):
+        return torch.autocast(x.device.type, dtype=self.dtype)
+
+    def __call__(self, x, y, norm):
+        with self.autocast(x):
+            return super().__call__(x, y, norm)
+
+    def nll(self, x, y):
+        with self.autocast(x):
+            return super().nll(x, y)
+
+
+def mean_over_processes(norm, device):
+    """The mean of `norm` over the processes of the default group, as a tensor on
+    `device` (no wait for the host: the division happens on the device)."""
+    # float32 counts tokens exactly up to 2**24 (16 million) a group.
+    total = torch.as_tensor(norm, dtype=torch.float32, device=device).clone()
+    torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM)
+    return total / torch.distributed.get_world_size()
+
+
+class DistributedLossCompute(SimpleLossCompute):
+    """The book's SimpleLossCompute for one of several data-parallel processes.
+
+    The book's loop divides each micro-batch's summed loss by its group's target
+    tokens, `norm`. DistributedDataParallel then averages the gradients over the
+    world_size processes, so dividing by the mean of the processes' `norm`s instead
+    makes the gradient the mean over every token of the global group, however the
+    tokens fall among the processes. Every process calls this as often as the others
+    (ShardedBatchSampler gives each the same number of batches), so the exchange of
+    the counts never waits forever. Evaluation (nll) exchanges nothing.
+    """
+
+    def __call__(self, x, y, norm):
+        return super().__call__(x, y, mean_over_processes(norm, x.device))
+
+
+class DistributedAutocastLossCompute(DistributedLossCompute, AutocastLossCompute):
+    """DistributedLossCompute's norm, with AutocastLossCompute's autocast."""
+
+
+class GroupSyncDDP(DistributedDataParallel):
+    """DistributedDataParallel that exchanges gradients once per optimizer step.
+
+    The micro-batches of one group (every accum_iter batches, and the epoch's last,
+    partial one) add up their gradients, and only the one that ends the group needs
+    the exchange: before each forward pass in training mode this sets DDP's public
+    `require_backward_grad_sync` (what DDP's no_sync() sets), False unless that
+    micro-batch ends its group. Call plan_epoch before each epoch; without a plan
+    every micro-batch exchanges, as in plain DDP.
+    """
+
+    def __init__(self, module, *args, **kwargs):
+        super().__init__(module, *args, **kwargs)
+        self.n_batches, self.accum_iter, self.seen = None, 1, 0  # no plan yet
+
+    def plan_epoch(self, n_batches, accum_iter):
+        """Expect an epoch of `n_batches` micro-batches in groups of `accum_iter`."""
+        check_positive_int(n_batches=n_batches, accum_iter=accum_iter)
+        self.n_batches, self.accum_iter, self.seen = n_batches, accum_iter, 0
+
+    def forward(self, *args, **kwargs):
+        if self.training and self.n_batches is not None:
+            self.seen += 1
+            last = self.seen >= self.n_batches  # the epoch's last group may be short
+            self.require_backward_grad_sync = self.seen % self.accum_iter == 0 or last
+        return super().forward(*args, **kwargs)
+
+
+def models_for_run(module, amp_dtype=None, distributed=False, device=None):
+    """(the model run_epoch trains, the model it evaluates) around the book's
+    `module`: under Autocast for a bfloat16 amp_dtype, and the trained one in a
+    GroupSyncDDP when `distributed`."""
+    evaluated = module if amp_dtype is None else Autocast(module, amp_dtype)
+    trained = evaluated
+    if distributed:
+        device = torch.device(device or next(module.parameters()).device)
+        ids = [device.index] if device.type == "cuda" else None
+        # The only buffers are the positional-encoding tables, which never change:
+        # nothing to broadcast before each forward pass.
+        trained = GroupSyncDDP(evaluated, device_ids=ids, broadcast_buffers=False)
+    return trained, evaluated
+
+
+def loss_compute_for_run(generator, criterion, amp_dtype=None, distributed=False):
+    """The book's SimpleLossCompute, or the subclass for autocast and/or several
+    processes that models_for_run's models need."""
+    if amp_dtype is None:
+        kind = DistributedLossCompute if distributed else SimpleLossCompute
+        return kind(generator, criterion)
+    kind = DistributedAutocastLossCompute if distributed else AutocastLossCompute
+    return kind(generator, criterion, amp_dtype)
 
 
 def _device_for(rank, device=None):
@@ -497,14 +638,14 @@ def _train(
         if n:
             say(f"{split}: {n} pairs longer than max_len={config.max_len} ids were cut")
     torch.manual_seed(config.seed)
-    model = make_run_model(config, len(data.vocab_src), len(data.vocab_tgt)).to(device)
-    module = model
+    sizes = len(data.vocab_src), len(data.vocab_tgt)
+    module = make_run_model(config, *sizes).to(device)  # the book's model, trained
     optimizer, scheduler = make_optimizer(
         module, config.base_lr, config.d_model, config.factor, config.warmup
     )
     train_state, start_epoch, history, spent = TrainState(), 0, [], 0.0
     if checkpoint is not None:
-        module.load_state_dict(checkpoint["model"])
+        load_weights(module, checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         scheduler.load_state_dict(checkpoint["scheduler"])
         train_state = TrainState(**checkpoint["train_state"])
@@ -514,16 +655,11 @@ def _train(
             f"resuming {out_dir / 'last.pt'} (profile {config.profile}): "
             f"{start_epoch} of {config.epochs} epochs done, {spent / 60:.1f} min spent"
         )
-    if distributed:
-        from torch.nn.parallel import DistributedDataParallel
-
-        ids = [device.index] if device.type == "cuda" else None
-        # The only buffers are the positional-encoding tables, which never change:
-        # nothing to broadcast before each forward pass.
-        model = DistributedDataParallel(module, device_ids=ids, broadcast_buffers=False)
     say(f"model: {count_parameters(module):,} parameters")
+    amp = amp_dtype_for(config.bf16, device, say, distributed)
+    model, evaluated = models_for_run(module, amp, distributed, device)
     criterion = fast.LabelSmoothing(len(data.vocab_tgt), PAD, config.label_smoothing)
-    loss_compute = SimpleLossCompute(module.generator, criterion)
+    loss_compute = loss_compute_for_run(module.generator, criterion, amp, distributed)
     sampler = ShardedBatchSampler(
         data.lengths("train"),
         config.max_tokens,
@@ -534,7 +670,6 @@ def _train(
     val_sampler = TokenBudgetBatchSampler(
         data.lengths("val"), config.max_tokens, shuffle=False
     )
-    amp = amp_dtype_for(config.bf16, device, say, distributed)
     began = time.perf_counter() - spent  # the run's clock, resumed runs included
     epoch_seconds = history[-1]["seconds"] if history else 0.0
     last = checkpoint  # what last.pt holds: marked if the time limit stops the run
@@ -554,26 +689,25 @@ def _train(
         say(f"epoch {epoch + 1}/{config.epochs}: {len(sampler)} batches per process")
         start = time.perf_counter()
         tokens_before = train_state.tokens
+        if distributed:
+            model.plan_epoch(len(sampler), config.accum_iter)
         train_loss, train_state = run_epoch(
             tat.on_device(data.batches("train", sampler), device),
             model,
             loss_compute,
             optimizer,
             scheduler,
-            mode="train+log",
+            mode="train+log" if say is print else "train",  # the main process logs
             accum_iter=config.accum_iter,
             train_state=train_state,
-            quiet=not is_main or say is not print,
             log_every=config.log_every,
-            amp_dtype=amp,
         )
         seconds = time.perf_counter() - start
         val_nll, _ = run_epoch(
             tat.on_device(data.batches("val", val_sampler), device),
-            module,
+            evaluated,
             loss_compute,
             mode="eval",
-            amp_dtype=amp,
         )
         record = {
             "epoch": epoch + 1,
@@ -691,7 +825,7 @@ def _save_epoch(
     from dataclasses import asdict
 
     weights = {
-        "model": _weights_only(module.state_dict()),
+        "model": without_positional_tables(module.state_dict()),
         "config": config.to_dict(),
         "epoch": epoch,
         "vocab_src": data.vocab_src.get_itos(),
@@ -877,9 +1011,10 @@ def average_checkpoints(paths, out):
         _check_same_run(paths[0], checkpoints[0], path, checkpoint)
     first = checkpoints[0]
     model = model_from_checkpoint(first, path=paths[0])[0]
-    average(model, [checkpoint["model"] for checkpoint in checkpoints])
+    states = [with_positional_tables(c["model"], model) for c in checkpoints]
+    average(model, states)
     averaged = {
-        "model": _weights_only(model.state_dict()),
+        "model": without_positional_tables(model.state_dict()),
         "config": first["config"],
         "epoch": max(checkpoint.get("epoch", 0) for checkpoint in checkpoints),
         "vocab_src": first["vocab_src"],
