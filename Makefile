@@ -2,6 +2,7 @@
 #
 #   make run        set up, then train the copy task on the CPU and print its decodes
 #   make test       set up, then run the test suite
+#   make data       fetch Multi30k into data/multi30k and check each file's SHA-256
 #   make notebook   the_annotated_transformer.py -> notebooks/the_annotated_transformer.ipynb
 #   make sync       jupytext --sync: bring the .py and the notebook level, either way
 #   make script     notebooks/the_annotated_transformer.ipynb -> the_annotated_transformer.py
@@ -13,6 +14,9 @@
 #   make bench      print performance figures (a benchmark, never a test)
 #   make multi30k   train the multi30k profile, average, score: results/multi30k.*
 #                   (make results-quick: the same for another profile)
+#
+# The targets that read Multi30k (lab, site, execute, multi30k, results-%) run
+# `make data` first, unless DATA_DIR names a folder that already holds the files.
 #   make lint       ruff check and ruff format --check
 #   make format     ruff format, then ruff check --fix
 #   make clean      remove caches, executed notebooks and the site (keeps the venv)
@@ -21,7 +25,7 @@
 
 PYTHON ?= python3
 VENV ?= .venv
-DATA_DIR ?= ../shared/data/multi30k
+DATA_DIR ?= data/multi30k
 PYTEST_ARGS ?=
 
 BIN := $(VENV)/bin
@@ -31,13 +35,22 @@ BOOK := the_annotated_transformer.py
 NOTEBOOK := notebooks/the_annotated_transformer.ipynb
 
 .DEFAULT_GOAL := run
-.PHONY: setup setup-lab run test notebook sync script execute html site lab figures bench \
-	multi30k lint format clean
+.PHONY: setup setup-lab run test data notebook sync script execute html site lab figures \
+	bench multi30k lint format clean
 
-# The tests that need Multi30k find it through this variable; the library itself never
-# assumes a data path. Set only when the folder is there.
+# The notebook, the commands and the tests find Multi30k through this variable. The
+# targets that read the data always get it (they fetch the default folder first); the
+# tests and the bench only when the folder is there (without it, their Multi30k tests
+# skip, or fail under CI=true).
+execute site lab results-%: export ANNOTATED_TRANSFORMER_DATA := $(abspath $(DATA_DIR))
 ifneq ($(wildcard $(DATA_DIR)/.),)
-test execute site lab bench results-%: export ANNOTATED_TRANSFORMER_DATA := $(abspath $(DATA_DIR))
+test bench: export ANNOTATED_TRANSFORMER_DATA := $(abspath $(DATA_DIR))
+endif
+
+# A DATA_DIR named on the command line or in the environment is used as it is; the
+# default folder is fetched (and verified) before a target that reads it.
+ifeq ($(origin DATA_DIR),file)
+NEEDS_DATA := data
 endif
 
 setup: $(STAMP)
@@ -61,7 +74,14 @@ $(LAB_STAMP): requirements-lab.txt $(STAMP)
 	touch $@
 
 run: $(STAMP)
-	$(VENV_PYTHON) $(BOOK) copy
+	$(VENV_PYTHON) $(BOOK)
+
+# Multi30k's six files into DATA_DIR: kept when their SHA-256 is the published one,
+# downloaded otherwise (from DATA_URL, a mirror of them, when it is set). Without
+# network: one line saying what could not be fetched.
+data: $(STAMP)
+	$(VENV_PYTHON) -m workshop download --data-dir $(DATA_DIR) \
+		$(if $(DATA_URL),--base-url $(DATA_URL))
 
 # The whole suite, then the numerical tests once more on the plain (non-AVX) code
 # path of PyTorch and MKL: a test that passes only on this CPU's kernels is broken.
@@ -91,7 +111,7 @@ script: $(STAMP)
 # the venv's kernel, then export the executed notebook as one HTML page.
 EXECUTED := notebooks/the_annotated_transformer.executed.ipynb
 
-execute: notebook
+execute: notebook $(NEEDS_DATA)
 	$(BIN)/jupyter nbconvert --to notebook --execute \
 		--ExecutePreprocessor.timeout=3600 --output $(notdir $(EXECUTED)) $(NOTEBOOK)
 
@@ -109,7 +129,7 @@ $(EXECUTED):
 # Pages workflow (.github/workflows/site.yml) runs this target.
 SITE_DIR ?= site
 
-site: $(STAMP)
+site: $(STAMP) $(NEEDS_DATA)
 	$(VENV_PYTHON) tools/build_site.py --out $(SITE_DIR)
 
 # JupyterLab on the book, served from this folder, with the venv's kernel first on
@@ -123,7 +143,7 @@ LAB_PORT ?= 8888
 LAB_OPTIONS ?=
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-lab: $(LAB_STAMP)
+lab: $(LAB_STAMP) $(NEEDS_DATA)
 	@echo "Starting JupyterLab on the book; open the URL it prints. Ctrl-C stops it."
 	JUPYTER_PATH="$(abspath $(VENV))/share/jupyter$${JUPYTER_PATH:+:$$JUPYTER_PATH}" \
 		$(BIN)/jupyter lab \
@@ -137,7 +157,7 @@ lab: $(LAB_STAMP)
 		$(ALLOW_ROOT) $(LAB_OPTIONS)
 
 figures: $(STAMP)
-	$(VENV_PYTHON) $(BOOK) figures --out images/
+	$(VENV_PYTHON) -m workshop figures --out images/
 
 bench: $(STAMP)
 	$(VENV_PYTHON) benchmarks/bench.py
@@ -146,14 +166,18 @@ bench: $(STAMP)
 # 2-core CPU), average the last checkpoints, choose the checkpoint, the beam size and
 # alpha on the validation split, then score test 2016. Writes results/multi30k.json,
 # results/multi30k.md, images/training_curve_multi30k.png, and this log.
-# `make results-PROFILE` does the same for any profile (quick, base, ...).
+# `make results-PROFILE` does the same for any profile (quick, base, ...). The log is
+# written beside and moved into place only when the run succeeds: a failed run never
+# replaces a committed log.
 multi30k: results-multi30k
 
-results-%: $(STAMP)
+results-%: $(STAMP) $(NEEDS_DATA)
 	mkdir -p results
-	bash -o pipefail -c '$(VENV_PYTHON) $(BOOK) reproduce --profile $* \
+	bash -o pipefail -c '$(VENV_PYTHON) -m workshop reproduce --profile $* \
 		--data-dir "$$ANNOTATED_TRANSFORMER_DATA" --out runs/$* 2>&1 \
-		| tee results/$*.log'
+		| tee results/.$*.log.partial' \
+		&& mv results/.$*.log.partial results/$*.log \
+		|| { rm -f results/.$*.log.partial; exit 1; }
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

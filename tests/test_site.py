@@ -248,9 +248,7 @@ def test_pages_workflow_publishes_what_make_site_builds_on_pushes_to_main():
     data = build["env"]["DATA_DIR"]
     # The data is downloaded by the project's own command into the cached folder,
     # before the same target a reader runs builds the site from it.
-    download = (
-        '.venv/bin/python the_annotated_transformer.py download --data-dir "$DATA_DIR"'
-    )
+    download = '.venv/bin/python -m workshop download --data-dir "$DATA_DIR"'
     make_site = 'make site DATA_DIR="$DATA_DIR"'
     assert uses["actions/cache"]["path"] == data
     assert runs.index("make setup") < runs.index(download) < runs.index(make_site)

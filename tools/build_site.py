@@ -56,8 +56,9 @@ def check_environment(environ):
         )
     if not data:
         print(
-            f"note: ${DATA_ENV} is not set, so Part 3's cells will only say how to "
-            "get Multi30k; the page will have no translations or BLEU.",
+            f"note: ${DATA_ENV} is not set, so Part 3 reads data/multi30k and "
+            "downloads Multi30k there if it is not there yet (`make site` runs "
+            "`make data` first).",
             flush=True,
         )
     return profile

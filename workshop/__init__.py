@@ -1,6 +1,6 @@
 """The workshop beside the book: everything a long run needs and a reader does not.
 
-- cli.py       the command line of `python the_annotated_transformer.py COMMAND`
+- cli.py       the command line of `python -m workshop COMMAND` (__main__.py)
 - runs.py      training runs: profiles, checkpoints, resuming, time limits, bf16,
                several processes (DistributedDataParallel)
 - multi30k.py  downloading Multi30k and checking its files against their digests

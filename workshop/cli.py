@@ -1,4 +1,4 @@
-"""The command line of `python the_annotated_transformer.py COMMAND`.
+"""The command line of `python -m workshop COMMAND`.
 
 Every failure ends as one line on stderr that says what was wrong, and exit status 2.
 """
@@ -12,8 +12,10 @@ from pathlib import Path
 
 from the_annotated_transformer import (
     DATA_ENV,
+    MULTI30K_URL,
     CopyTaskConfig,
     data_dir_from_env,
+    default_data_dir,
     example_simple_model,
 )
 from workshop.figures import save_attention_maps, save_figures
@@ -66,10 +68,19 @@ def _numbers(text, flag, kind, example):
     return values
 
 
+DATA_DIR_HELP = f"the Multi30k folder (default: ${DATA_ENV}, else data/multi30k)"
+
+
+def data_dir_of(args):
+    """--data-dir, else $ANNOTATED_TRANSFORMER_DATA, else the book's default folder
+    (data/multi30k in the checkout, which `make data` fills)."""
+    return Path(args.data_dir or data_dir_from_env() or default_data_dir())
+
+
 def build_parser():
     """The command-line interface's argument parser."""
     parser = _Parser(
-        prog="the_annotated_transformer.py",
+        prog="python -m workshop",
         description="The Annotated Transformer: examples and tools from the book.",
     )
     commands = parser.add_subparsers(
@@ -80,9 +91,14 @@ def build_parser():
     copy_cmd.add_argument("--seed", type=int, default=CopyTaskConfig.seed)
     copy_cmd.add_argument("--quiet", action="store_true", help="no per-epoch lines")
     download = commands.add_parser("download", help="fetch and verify Multi30k")
-    download.add_argument("--data-dir", required=True, help="folder for the files")
+    download.add_argument("--data-dir", help=DATA_DIR_HELP)
+    download.add_argument(
+        "--base-url",
+        default=MULTI30K_URL,
+        help="where the six files are (default: the Multi30k project's repository)",
+    )
     train = commands.add_parser("train", help="train a German->English model")
-    train.add_argument("--data-dir", required=True, help="folder with Multi30k")
+    train.add_argument("--data-dir", help=DATA_DIR_HELP)
     train.add_argument("--out", required=True, help="folder for checkpoints")
     train.add_argument(
         "--profile", choices=sorted(TRAIN_PROFILES), help="settings (default: quick)"
@@ -128,7 +144,7 @@ def _add_results_commands(commands):
     """The evaluate, average and attention commands (Part 5 and the results)."""
     evaluate_cmd = commands.add_parser("evaluate", help="BLEU of a checkpoint")
     evaluate_cmd.add_argument("--checkpoint", required=True, help="a .pt from train")
-    evaluate_cmd.add_argument("--data-dir", help=f"Multi30k folder (or ${DATA_ENV})")
+    evaluate_cmd.add_argument("--data-dir", help=DATA_DIR_HELP)
     evaluate_cmd.add_argument(
         "--split", default="test_2016_flickr", help="NAME of NAME.de.gz, NAME.en.gz"
     )
@@ -142,7 +158,7 @@ def _add_results_commands(commands):
         "reproduce", help="train, average, choose on val, score test: a Results row"
     )
     repro.add_argument("--profile", default="multi30k", choices=sorted(TRAIN_PROFILES))
-    repro.add_argument("--data-dir", help=f"Multi30k folder (or ${DATA_ENV})")
+    repro.add_argument("--data-dir", help=DATA_DIR_HELP)
     repro.add_argument("--out", help="checkpoint folder (default runs/PROFILE)")
     repro.add_argument("--results", default="results", help="for PROFILE.json, .md")
     repro.add_argument("--images", default="images", help="for the training curve")
@@ -177,7 +193,7 @@ def _add_results_commands(commands):
 
 
 def main(argv=None):
-    """Entry point of `python the_annotated_transformer.py ...`.
+    """Entry point of `python -m workshop ...`.
 
     Every failure ends as one line on stderr that says what was wrong, and exit
     status 2 (set ANNOTATED_TRANSFORMER_DEBUG=1 to see the traceback instead).
@@ -222,7 +238,7 @@ def _run_command(args):
     if args.command == "figures":
         save_figures(args.out, args.names)
     elif args.command == "download":
-        download_multi30k(args.data_dir)
+        download_multi30k(data_dir_of(args), base_url=args.base_url)
     elif args.command == "train":
         overrides = {
             key: value
@@ -250,7 +266,7 @@ def _run_command(args):
             config = RunConfig.from_profile(args.profile or "quick", **overrides)
         train_model(
             config,
-            args.data_dir,
+            data_dir_of(args),
             args.out,
             resume=args.resume,
             nprocs=args.nprocs,
@@ -284,13 +300,10 @@ def _sentences_to_translate(arguments):
 def _run_results_command(args):
     """Run the evaluate, average, attention or reproduce command."""
     if args.command == "evaluate":
-        data_dir = args.data_dir or data_dir_from_env()
-        if data_dir is None:
-            raise ValueError(f"evaluate: pass --data-dir DIR or set ${DATA_ENV}.")
         split, beam, output = args.split, args.beam, args.output
         evaluate(
             args.checkpoint,
-            data_dir,
+            data_dir_of(args),
             split,
             beam,
             output,
@@ -298,12 +311,9 @@ def _run_results_command(args):
             alpha=args.alpha,
         )
     elif args.command == "reproduce":
-        data_dir = args.data_dir or data_dir_from_env()
-        if data_dir is None:
-            raise ValueError(f"reproduce: pass --data-dir DIR or set ${DATA_ENV}.")
         reproduce(
             args.profile,
-            data_dir,
+            data_dir_of(args),
             args.out or Path("runs") / args.profile,
             args.results,
             args.images,

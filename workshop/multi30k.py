@@ -1,12 +1,28 @@
-"""Multi30k's files: download them, and check them against their published digests."""
+"""Multi30k's files: download them, and check them against their published digests.
+
+The file names, their SHA-256 digests and the address come from the book
+(`MULTI30K_SHA256`, `MULTI30K_URL`), which fetches them itself in the notebook; this
+module adds what the command line needs: a report per file, a check of files already
+there, and one clear line when something goes wrong.
+"""
 
 from __future__ import annotations
 
-import os
+import http.client
 from pathlib import Path
 
 import the_annotated_transformer as tat
-from the_annotated_transformer import DATA_ENV
+from the_annotated_transformer import DATA_ENV, MULTI30K_SHA256, MULTI30K_URL
+
+__all__ = [
+    "MULTI30K_SHA256",
+    "MULTI30K_SIZES",
+    "MULTI30K_URL",
+    "DataError",
+    "download_multi30k",
+    "read_split",
+    "verify_split",
+]
 
 
 class DataError(ValueError):
@@ -15,29 +31,9 @@ class DataError(ValueError):
 
 def how_to_get_data(data_dir):
     return (
-        f"Download the files with `python the_annotated_transformer.py download "
-        f"--data-dir {data_dir}`, or point --data-dir (or ${DATA_ENV}) at a folder "
-        "that holds them."
+        f"Run `make data` or `python -m workshop download --data-dir {data_dir}`, or "
+        f"point --data-dir (or ${DATA_ENV}) at a folder that holds the files."
     )
-
-
-MULTI30K_URL = (
-    "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/"
-)
-
-
-MULTI30K_SHA256 = {
-    "train.de.gz": "726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6",
-    "train.en.gz": "d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f",
-    "val.de.gz": "f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a",
-    "val.en.gz": "14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28",
-    "test_2016_flickr.de.gz": (
-        "9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8"
-    ),
-    "test_2016_flickr.en.gz": (
-        "611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9"
-    ),
-}
 
 
 MULTI30K_SIZES = {"train": 29000, "val": 1014, "test_2016_flickr": 1000}
@@ -54,49 +50,40 @@ def sha256_of(path):
     return digest.hexdigest()
 
 
-def download_multi30k(data_dir, *, base_url=MULTI30K_URL, quiet=False, timeout=60):
-    """Fetch and verify the six Multi30k files into `data_dir`; returns their paths."""
-    import http.client
-    import urllib.request
+def download_multi30k(data_dir=None, *, base_url=MULTI30K_URL, quiet=False):
+    """Fetch and verify the six Multi30k files into `data_dir` (the book's default
+    folder when None); returns their paths. A file already there with the published
+    digest is kept; any other is downloaded again."""
+    from torch.hub import download_url_to_file
 
-    data_dir = Path(data_dir)
+    data_dir = Path(data_dir) if data_dir is not None else tat.default_data_dir()
     data_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, expected in MULTI30K_SHA256.items():
         target = data_dir / name
         paths.append(target)
-        if target.exists() and sha256_of(target) == expected:
+        if target.is_file() and sha256_of(target) == expected:
             if not quiet:
                 print(f"{name}: present and verified")
             continue
-        tmp = data_dir / f".{name}.part{os.getpid()}"
-        try:
-            with urllib.request.urlopen(base_url + name, timeout=timeout) as response:
-                announced = response.headers.get("Content-Length")
-                with open(tmp, "wb") as out:
-                    for chunk in iter(lambda: response.read(1 << 16), b""):
-                        out.write(chunk)
-            if announced is not None and tmp.stat().st_size != int(announced):
-                raise DataError(
-                    f"{name}: the connection closed after {tmp.stat().st_size} of "
-                    f"{announced} bytes; nothing was saved. Run the download again."
-                )
-            actual = sha256_of(tmp)
-            if actual != expected:
-                raise DataError(
-                    f"{name}: the downloaded file has SHA-256 {actual}, expected "
-                    f"{expected}. The download was damaged or the file changed at "
-                    f"{base_url}; nothing was saved. Try again, or fetch the file by "
-                    f"hand into {data_dir}."
-                )
-            os.replace(tmp, target)
-        except (OSError, http.client.HTTPException) as error:  # IncompleteRead too
+        try:  # a temporary file beside the target, moved into place once verified
+            download_url_to_file(base_url + name, str(target), expected, False)
+        except RuntimeError as error:  # torch.hub's message for a wrong digest
             raise DataError(
-                f"{name}: could not download it from {base_url} ({error}). Check the "
-                f"connection, or copy the file into {data_dir} by hand."
-            ) from error
-        finally:
-            tmp.unlink(missing_ok=True)
+                f"{name}: the file downloaded from {base_url} is not the published "
+                f"one (its SHA-256 differs: {error}); nothing was saved. Try again "
+                f"later, or copy the files into {data_dir} by hand."
+            ) from None
+        except (OSError, http.client.HTTPException) as error:  # URLError is OSError
+            if hasattr(error, "code"):  # an HTTP error: the server answered, with no
+                reason = f"HTTP {error.code}: {error.reason}"  # file for us
+            else:  # no answer: the network, the name or the connection failed
+                reason = getattr(error, "reason", None) or error
+            raise DataError(
+                f"{name}: could not download it from {base_url} ({reason}). Check "
+                f"the connection, or name a folder that holds the files: --data-dir, "
+                f"${DATA_ENV}, or make's DATA_DIR."
+            ) from None
         if not quiet:
             print(f"{name}: downloaded and verified")
     return paths

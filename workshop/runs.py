@@ -304,8 +304,8 @@ def load_checkpoint(path, map_location="cpu"):
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
-            f"checkpoint {path} not found. Train one with `python "
-            "the_annotated_transformer.py train --data-dir DIR --out DIR`."
+            f"checkpoint {path} not found. Train one with "
+            "`python -m workshop train --out DIR`."
         )
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
