@@ -7,6 +7,7 @@ it they are skipped on a laptop, but fail in CI (CI=true). The figures command's
 drawings are checked in tests/test_workshop_figures.py.
 """
 
+import os
 import shutil
 import subprocess
 import sys
@@ -621,9 +622,13 @@ def make_in_a_copy(tmp_path, *targets, **variables):
     # with their times): make installs nothing.
     venv = REPO_ROOT / ".venv"
     options = [f"VENV={venv}", *(f"{k}={v}" for k, v in variables.items())]
+    # Not the variables of a make that runs this test: its DATA_DIR would win.
+    outer = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "DATA_DIR")
+    env = {k: v for k, v in os.environ.items() if k not in outer}
     return subprocess.run(
         ["make", "--no-print-directory", *targets, *options],
         cwd=checkout,
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,

@@ -55,7 +55,8 @@ def test_committed_notebook_is_paired_with_the_book_by_jupytext(committed):
 
 @pytest.mark.slow
 def test_notebook_executes_end_to_end_with_the_smoke_profile(executed_notebook):
-    """Every cell runs; charts come out as PNG; translations and BLEU are printed."""
+    """Every cell runs; charts come out as PNG; translations, the cache's and beam
+    search's examples and BLEU are printed."""
     notebook = nbformat.read(executed_notebook, as_version=4)  # make site ran it
     outputs = [o for cell in notebook.cells for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
@@ -66,6 +67,9 @@ def test_notebook_executes_end_to_end_with_the_smoke_profile(executed_notebook):
     assert "exact copy: yes" in text
     assert "reference:" in text and "model:" in text  # translations beside references
     assert "test 2016, greedy: BLEU =" in text
+    # Part 4 runs what it teaches: the cache against recomputation, beam beside greedy.
+    assert "translated identically with and without the cache" in text
+    assert "\n  greedy:    " in text and "\n  beam:      " in text
     assert "signature: nrefs:1" in text
     folder = executed_notebook.parent  # the model is trained in memory
     assert not (folder / "runs").exists() and not list(folder.rglob("*.pt"))

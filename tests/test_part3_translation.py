@@ -1,22 +1,23 @@
 """Tests for Part 3 of the book: German to English on Multi30k.
 
 They follow the order of the book: reading the data, tokenizers, vocabularies,
-batching with a token budget, data-parallel training and gradient accumulation, and
-translating. The workshop package's side of Part 3 (downloads, training runs,
-checkpoints, the command line) is tested in tests/test_workshop_multi30k.py,
-tests/test_workshop_runs.py and tests/test_cli.py.
+batching with a token budget, translating, and the notebook's data folder. The
+workshop package's side of Part 3 (downloads, training runs, checkpoints, the command
+line) is tested in tests/test_workshop_multi30k.py, tests/test_workshop_runs.py and
+tests/test_cli.py.
 
 The Multi30k files are found through $ANNOTATED_TRANSFORMER_DATA (`make test` sets
 it). Without it these tests are skipped on a laptop, but fail in CI (CI=true), so
 that nothing is skipped there unnoticed.
 """
 
+import functools
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import data_dir_or_skip, point_data_at
+from conftest import data_dir_or_skip, names_in, point_data_at
 from torch import nn
 
 import the_annotated_transformer as tat
@@ -439,3 +440,44 @@ def test_notebook_run_without_data_says_what_to_set_and_trains_nothing(
     assert fresh_notebook_run() is None
     said = capsys.readouterr().out
     assert tat.DATA_ENV in said and said.count("\n") == 1  # one line
+
+
+# ---------------------------------------------------------------------------
+# The notebook's data folder: fetched on first use (from a local server here)
+
+
+def fetching_from(server, folder, monkeypatch):
+    """No $ANNOTATED_TRANSFORMER_DATA, the default folder at `folder`, and the book's
+    download pointed at the local `server`."""
+    monkeypatch.delenv(tat.DATA_ENV, raising=False)
+    monkeypatch.setattr(tat, "default_data_dir", lambda: folder)
+    local = functools.partial(tat.fetch_multi30k, base_url=server.url)
+    monkeypatch.setattr(tat, "fetch_multi30k", local)
+
+
+def test_the_notebook_fetches_multi30k_into_the_default_folder_once(
+    multi30k_server, multi30k_dir, tmp_path, monkeypatch
+):
+    folder = tmp_path / "data" / "multi30k"
+    fetching_from(multi30k_server, folder, monkeypatch)
+    assert tat.notebook_data_dir() == folder
+    assert names_in(folder) == sorted(tat.MULTI30K_SHA256)  # nothing half-written
+    for name in tat.MULTI30K_SHA256:
+        assert (folder / name).read_bytes() == (multi30k_dir / name).read_bytes()
+    assert sorted(multi30k_server.requested) == sorted(tat.MULTI30K_SHA256)
+    assert tat.notebook_data_dir() == folder  # the second time: nothing is asked
+    assert len(multi30k_server.requested) == 6
+
+
+def test_the_notebook_keeps_no_file_whose_digest_differs_and_says_so_in_one_line(
+    multi30k_server, tmp_path, monkeypatch, capsys
+):
+    served = multi30k_server.folder / "val.de.gz"
+    served.write_bytes(served.read_bytes()[:-100])  # not the published file
+    folder = tmp_path / "data" / "multi30k"
+    fetching_from(multi30k_server, folder, monkeypatch)
+    assert tat.notebook_data_dir() is None
+    said = capsys.readouterr().out
+    assert said.count("\n") == 1 and "invalid hash value" in said
+    assert tat.DATA_ENV in said
+    assert not [name for name in names_in(folder) if name.startswith("val.de")]

@@ -452,7 +452,7 @@ def test_load_checkpoint_of_a_truncated_file_raises_data_error(smoke_run, tmp_pa
 
 
 def test_load_checkpoint_of_a_missing_file_says_how_to_train_one(tmp_path):
-    with pytest.raises(FileNotFoundError, match="train --data-dir"):
+    with pytest.raises(FileNotFoundError, match="python -m workshop train"):
         runs.load_checkpoint(tmp_path / "missing.pt")
 
 
