@@ -14,12 +14,12 @@
 #   make bench      print performance figures (a benchmark, never a test)
 #   make multi30k   train the multi30k profile, average, score: results/multi30k.*
 #                   (make results-quick: the same for another profile)
-#
-# The targets that read Multi30k (lab, site, execute, multi30k, results-%) run
-# `make data` first, unless DATA_DIR names a folder that already holds the files.
 #   make lint       ruff check and ruff format --check
 #   make format     ruff format, then ruff check --fix
 #   make clean      remove caches, executed notebooks and the site (keeps the venv)
+#
+# The targets that read Multi30k (lab, site, execute, multi30k, results-%) run
+# `make data` first, unless DATA_DIR names a folder that already holds the files.
 #
 # Override on the command line, e.g. `make test PYTHON=python3.11 DATA_DIR=/data/m30k`.
 

@@ -121,7 +121,7 @@ def test_the_books_profile_names_mean_the_same_settings_in_a_run():
     for name in ("quick", "base"):
         assert runs.TRAIN_PROFILES[name] == tat.PROFILES[name], name
     quick = runs.RunConfig.from_profile("quick")
-    assert (quick.epochs, quick.max_train_pairs) == (2, 20000)
+    assert (quick.epochs, quick.max_train_pairs) == (4, None)
     book = {f.name for f in dataclasses.fields(tat.TrainConfig)}
     run = quick.to_dict()
     assert {k: run[k] for k in book} == dataclasses.asdict(
