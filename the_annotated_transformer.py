@@ -65,11 +65,12 @@
 #   10 minutes on a 2-core CPU), `smoke` (tiny models, for tests) or `base` (the
 #   paper's base model, for a GPU).
 #
-# Text in block quotes that starts with **Note** is our own commentary: tips, pitfalls,
-# our choices and places where this code differs from the paper. So is any paragraph
-# marked *our reading* or *our choice*, and the sections that say they are ours (the
-# key/value cache, beam search's code, the Results). The rest explains the paper in
-# our words.
+# Block quotes that start with **Note** are our own commentary: tips, pitfalls, our
+# choices and places where this code differs from the paper; those that start with
+# **Changed** mark a fix of the 2018/2022 notebook, listed in full at the end. Any
+# paragraph marked *our reading* or *our choice* is ours too, and so are the sections
+# that say so (the key/value cache, beam search's code, the Results). The rest
+# explains the paper in our words.
 
 # %% [markdown]
 # ## Preliminaries
@@ -466,9 +467,10 @@ def padding_mask(tokens, pad):
 
 
 # %% [markdown]
-# The first chart of the book comes next. Every chart in it is one of two kinds: a heat map of a matrix, or lines of a
-# value against a step. `chart` draws either from a table with one row per point, and
-# `grid` turns a matrix into such a table, one row per cell.
+# The first chart of the book comes next. Every chart in it is one of two kinds: a
+# heat map of a matrix, or lines of a value against a step. `chart` draws either from
+# a table with one row per point, and `grid` turns a matrix into such a table, one row
+# per cell.
 
 
 # %%
@@ -778,8 +780,9 @@ class Embeddings(nn.Module):
 # (its Table 3, row E). It kept the sinusoids because they are defined for every
 # position: a model trained on sentences of up to 50 tokens still has a code for
 # position 200, while a learned table has no row for a position it never saw. (Whether
-# the model *uses* such codes well is another matter; later work found sinusoids
-# extrapolate poorly too, which led to relative schemes.)
+# the model *uses* such codes well is another matter: [Press et al.
+# (2021)](https://arxiv.org/abs/2108.12409) found that sinusoids extrapolate poorly
+# too, and proposed a relative scheme instead.)
 #
 # **What does 10000 set?** The longest wavelength. With 10000 the slowest pairs barely
 # move over a few hundred positions, while the fast ones tell neighbours apart. With a
@@ -1247,11 +1250,10 @@ class TrainState:
 # %% [markdown]
 # Three small helpers keep the loop short. `check_epoch` refuses a mode it does not
 # know, training without an optimizer, and data with nothing to predict, before any
-# work is done. In evaluation,
-# `eval_loss` asks the loss computation for the plain negative log-likelihood (`nll`,
-# below); a loss computation written for the 2018/2022 notebook has none, and then
-# the loop reports what it returns, as that notebook did. `print_progress` writes
-# one line of the log.
+# work is done. In evaluation, `eval_loss` asks the loss computation for the plain
+# negative log-likelihood (`nll`, below); a loss computation written for the
+# 2018/2022 notebook has none, and then the loop reports what it returns, as that
+# notebook did. `print_progress` writes one line of the log.
 
 
 # %%
@@ -1342,8 +1344,8 @@ def run_epoch(
 # And the results (its Table 2): BLEU on the newstest2014 test sets, and the
 # training cost in floating-point operations, which the paper estimated from training
 # time, the number of GPUs and their sustained single-precision speed. The
-# Transformer beat the best earlier models, ensembles included, at a fraction of
-# their cost:
+# big Transformer beat all of these earlier models in both directions, and the base
+# one in English→German, at a fraction of their training cost:
 #
 # | Model | BLEU En→De | BLEU En→Fr | Training cost En→De (FLOPs) | Training cost En→Fr (FLOPs) |
 # |---|---|---|---|---|
@@ -3312,8 +3314,8 @@ def attention_maps(translator, sentence, layer=0, heads=None):
 
 # %% [markdown]
 # The maps of the notebook's model for a sentence of our own, the three kinds in every
-# layer, from the first to the last. Lower layers tend to spread their weight or look
-# at neighbours; the last layer's decoder–source heads are the sharpest. From the
+# layer, from the first to the last. Compare the layers: which heads spread their
+# weight, which look at a neighbour, which pick out one source word. From the
 # command line, `python -m workshop attention --checkpoint F --layer L --out DIR
 # "Ein Satz."` writes one layer's maps as PNG files. The `multi30k` model's maps in
 # its last layer, for "Zwei Hunde spielen im Schnee.":
