@@ -658,3 +658,196 @@ def test_a_failed_results_run_leaves_the_committed_log_untouched(tmp_path):
     assert "train.de.gz" in result.stdout + result.stderr  # the one-line error
     assert committed.read_text(encoding="utf-8") == "the committed log\n"
     assert sorted(p.name for p in (checkout / "results").iterdir()) == ["smoke.log"]
+
+
+# ---------------------------------------------------------------------------
+# One atomic write; error paths of the command line
+
+
+def test_a_write_that_fails_half_way_keeps_the_old_file_and_leaves_no_temporary(
+    tmp_path,
+):
+    from workshop import files
+
+    path = tmp_path / "results.json"
+    files.atomic_write_text(path, "old")
+
+    def half_then_fail(f):
+        f.write(b"half of the new")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        files.atomic_write(path, half_then_fail)
+    assert path.read_text() == "old"
+    assert names_in(tmp_path) == ["results.json"]
+    files.atomic_write_text(path, "new")
+    assert path.read_text() == "new" and names_in(tmp_path) == ["results.json"]
+
+
+def test_a_type_error_is_reported_as_a_bug_not_as_a_user_error(monkeypatch, capsys):
+    def broken(args):
+        raise TypeError("unsupported operand")
+
+    monkeypatch.setattr(cli, "_run_command", broken)
+    assert cli.main(["figures"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "TypeError: unsupported operand" in err[0]
+    assert "ANNOTATED_TRANSFORMER_DEBUG=1" in err[0] and "report it" in err[0]
+
+
+@pytest.mark.parametrize(
+    "argv, saves",
+    [
+        (["figures"], False),
+        (["average", "a.pt", "--out", "b.pt"], False),
+        (["train", "--out", "run"], True),
+        (["reproduce", "--no-train"], True),
+    ],
+)
+def test_ctrl_c_mentions_saved_epochs_only_for_commands_that_save_them(
+    monkeypatch, capsys, argv, saves
+):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_run_command", interrupted)
+    assert cli.main(argv) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("interrupted")
+    assert ("--out" in err[0]) == saves
+
+
+def test_translate_into_a_closed_pipe_exits_quietly(monkeypatch, capsys):
+    class Translator:
+        def translate(self, sentences, **options):
+            return [s.upper() for s in sentences]
+
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(cli, "load_translator", lambda path: Translator())
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert cli.main(["translate", "--checkpoint", "x.pt", "ein hund"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_translate_piped_into_a_reader_that_left_ends_without_an_error(smoke_run):
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # like `| head -1` once head has its line
+    try:
+        writer = subprocess.run(
+            [sys.executable, "-m", "workshop", "translate", "--checkpoint"]
+            + [str(smoke_run.out / "last.pt"), SENTENCE, SENTENCE],
+            cwd=REPO_ROOT,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert writer.returncode == 0, writer.stderr
+    assert writer.stderr == ""
+
+
+@pytest.mark.parametrize("keep", [0, -1])
+def test_keep_checkpoints_below_one_is_refused_in_one_line(keep):
+    with pytest.raises(ValueError, match="keep_checkpoints") as error:
+        runs.RunConfig.from_profile("smoke", keep_checkpoints=keep).validate()
+    assert "\n" not in str(error.value) and repr(keep) in str(error.value)
+
+
+def test_train_with_processes_checks_the_data_before_spawning_them(
+    tmp_path, monkeypatch, capsys
+):
+    import torch.multiprocessing as mp
+
+    def spawn(*args, **kwargs):
+        raise AssertionError("spawned before the data was checked")
+
+    monkeypatch.setattr(mp, "spawn", spawn)
+    monkeypatch.setattr(runs.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(runs.torch.cuda, "is_available", lambda: False)
+    argv = ["train", "--data-dir", str(tmp_path / "no_data"), "--out", str(tmp_path)]
+    assert cli.main([*argv, "--nprocs", "2", "--profile", "smoke"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.de.gz" in err[0]
+
+
+def test_train_with_processes_builds_the_vocabularies_once_for_every_rank(
+    multi30k_dir, tmp_path, monkeypatch
+):
+    import torch.multiprocessing as mp
+
+    spawned = {}
+
+    def spawn(worker, nprocs, args):
+        spawned.update(worker=worker, nprocs=nprocs, args=args)
+        raise KeyboardInterrupt  # stop here: what matters is what they are handed
+
+    monkeypatch.setattr(mp, "spawn", spawn)
+    monkeypatch.setattr(runs.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(runs.torch.cuda, "is_available", lambda: False)
+    config = runs.RunConfig.from_profile("smoke", max_train_pairs=200)
+    with pytest.raises(KeyboardInterrupt):
+        runs.train_model(config, multi30k_dir, tmp_path / "run", nprocs=2, quiet=True)
+    vocab_src, vocab_tgt = spawned["args"][-1]
+    assert spawned["nprocs"] == 2 and len(vocab_src) > 4 and len(vocab_tgt) > 4
+
+
+def test_each_spawned_cpu_process_gets_its_share_of_the_cores(monkeypatch, capsys):
+    seen = []
+    before = torch.get_num_threads()
+    monkeypatch.setattr(runs.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(runs.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(
+        runs, "train_worker", lambda *a, **k: seen.append(torch.get_num_threads())
+    )
+    try:
+        runs._spawned_worker(0, 2, None, "data", "out", False, False, None)
+        runs._spawned_worker(1, 2, None, "data", "out", False, False, None)
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [2, 2]
+    assert capsys.readouterr().out.count("thread(s) each") == 1
+
+
+def test_reproduce_names_the_averaging_windows_it_drops(reproduced, capsys):
+    root, _ = reproduced
+    out = root / "windows"
+    code = cli.main(
+        ["reproduce", "--profile", "smoke", "--out", str(root / "run"), "--no-train"]
+        + ["--results", str(out), "--images", str(out), "--limit", "5"]
+        + ["--average", "2,4,7", "--beam", "2", "--alphas", "0.6"]
+        + ["--data-dir", str(tat.data_dir_from_env())]
+    )
+    assert code == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    warnings = [line for line in err if line.startswith("warning:")]
+    assert len(warnings) == 1 and "4 and 7" in warnings[0]
+    assert "keeps only 2 epoch checkpoints" in warnings[0]
+
+
+def test_a_failing_cell_makes_the_site_build_fail_in_one_line(tmp_path):
+    import nbformat
+
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    try:
+        import build_site
+    finally:
+        sys.path.remove(str(REPO_ROOT / "tools"))
+    notebook = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_code_cell("x = 1"),
+            nbformat.v4.new_code_cell("y = x / 0  # divide\nprint(y)"),
+        ]
+    )
+    with pytest.raises(build_site.BuildError) as error:
+        build_site.execute(notebook, tmp_path)
+    message = str(error.value)
+    assert "\n" not in message and "y = x / 0" in message
+    assert "ZeroDivisionError: division by zero" in message

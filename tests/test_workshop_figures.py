@@ -127,3 +127,19 @@ def test_a_uniform_image_counts_as_blank():
     """The check above can fail: a one-colour image does not pass it."""
     with pytest.raises(AssertionError, match="colours"):
         assert_not_blank(np.full((50, 50, 4), 255, dtype=np.uint8), "white")
+
+
+def test_a_figure_that_fails_to_render_keeps_the_old_png_and_no_temporary(
+    tmp_path, monkeypatch
+):
+    path = tmp_path / "chart.png"
+    path.write_bytes(PNG_SIGNATURE + b"old")
+
+    def fail(svg):
+        raise OSError("renderer crashed")
+
+    monkeypatch.setattr(figures, "svg_png", fail)
+    with pytest.raises(OSError, match="renderer crashed"):
+        figures.save_png("<svg/>", path)
+    assert path.read_bytes() == PNG_SIGNATURE + b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chart.png"]

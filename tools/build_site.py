@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from export_html import export_html
+from export_html import export_html, load_module
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BOOK = REPO_ROOT / "the_annotated_transformer.py"
@@ -40,8 +40,8 @@ class BuildError(Exception):
 
 def check_environment(environ):
     """Fail early, in one line, on a profile or data folder the notebook cannot use."""
-    sys.path.insert(0, str(REPO_ROOT))
-    from the_annotated_transformer import DATA_ENV, PROFILES
+    book = load_module("the_annotated_transformer", BOOK)
+    DATA_ENV, PROFILES = book.DATA_ENV, book.PROFILES
 
     profile = environ.get(PROFILE_ENV, "quick")
     if profile not in PROFILES:
@@ -67,6 +67,7 @@ def check_environment(environ):
 def execute(notebook, folder):
     """Run every cell of `notebook` in `folder`, printing each as it finishes."""
     from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
 
     code_cells = sum(cell.cell_type == "code" for cell in notebook.cells)
     done, start = 0, time.perf_counter()
@@ -87,7 +88,22 @@ def execute(notebook, folder):
         resources={"metadata": {"path": str(folder)}},
         on_cell_executed=report,
     )
-    client.execute()  # raises CellExecutionError, naming the cell, on an error
+    try:
+        client.execute()
+    except CellExecutionError as error:
+        failed = next((c for c in notebook.cells if _cell_failed(c)), None)
+        first_line = failed.source.strip().partition("\n")[0][:60] if failed else "?"
+        name = getattr(error, "ename", None) or type(error).__name__
+        value = " ".join(str(getattr(error, "evalue", "") or "").split())
+        raise BuildError(
+            f"the cell that starts {first_line!r} failed: {name}: {value}"
+        ) from error
+
+
+def _cell_failed(cell):
+    """Whether an executed code cell holds an error output."""
+    outputs = cell.get("outputs", []) if cell.cell_type == "code" else []
+    return any(output.get("output_type") == "error" for output in outputs)
 
 
 def build_site(out):

@@ -13,8 +13,10 @@ headless Chromium.
 
 import argparse
 import base64
+import importlib.util
 import mimetypes
 import re
+import sys
 from importlib.resources import files
 from pathlib import Path
 
@@ -29,6 +31,22 @@ NOTEBOOKS = REPO_ROOT / "notebooks"
 # MathJax's single-file builds; the template inlines tex-svg-full.js, which holds every
 # TeX extension (nothing left to load on demand) and draws glyphs as SVG (no fonts).
 MATHJAX_ES5 = files("mathjax") / "static" / "mathjax" / "es5"
+
+
+def load_module(name, path):
+    """Import the Python file `path` as module `name` (tools run from tools/, so the
+    repository root is not on sys.path; nothing is added to it)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+# The workshop's one way to write a file (standard library only).
+atomic_write_text = load_module(
+    "workshop_files", REPO_ROOT / "workshop" / "files.py"
+).atomic_write_text
 
 
 class TitleFromFirstHeading(Preprocessor):
@@ -102,10 +120,7 @@ def export_html(notebook, out=None, images_from=NOTEBOOKS):
     nb = nbformat.read(notebook, as_version=4)
     resources = {"metadata": {"path": str(Path(images_from).resolve())}}
     body, _ = make_exporter().from_notebook_node(nb, resources=resources)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(body, encoding="utf-8")
-    tmp.replace(out)
-    return out
+    return atomic_write_text(out, body)
 
 
 def main(argv=None):

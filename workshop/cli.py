@@ -206,8 +206,13 @@ def main(argv=None):
     try:
         return _run_command(args)
     except KeyboardInterrupt:
-        print("interrupted; finished epochs are saved in --out", file=sys.stderr)
+        saves = args.command in ("train", "reproduce")
+        note = "; finished epochs are saved in --out" if saves else ""
+        print(f"interrupted{note}", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left (`... | head -1`): stop quietly
+        _quiet_stdout()
+        return 0
     except Exception as error:
         if os.environ.get("ANNOTATED_TRANSFORMER_DEBUG"):
             raise
@@ -215,9 +220,19 @@ def main(argv=None):
         return 2
 
 
+def _quiet_stdout():
+    """Point stdout at devnull, so that flushing it at exit raises nothing more."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no real file (say, captured)
+        pass
+
+
 def _one_line(error):
     """An exception as one line: its message, or its type for an unexpected one."""
-    expected = (ValueError, TypeError, OSError, DataError)
+    expected = (ValueError, OSError, DataError)
     text = " ".join(str(error).split()) or type(error).__name__
     if isinstance(error, expected):
         return text

@@ -5,7 +5,6 @@ vl-convert) and attention maps of a trained checkpoint.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from html import escape
@@ -20,24 +19,23 @@ from the_annotated_transformer import (
     chart_positional_encoding,
     chart_subsequent_mask,
 )
+from workshop.files import atomic_write_bytes
 from workshop.runs import load_translator
 
 
 def save_png(figure, path):
     """Write an altair chart, or a diagram's SVG text, as a PNG file; returns the path.
 
-    It goes to a temporary file first and is renamed into place, so a failure never
-    leaves a half-written figure behind.
+    It is written atomically (workshop.files), so a failure never leaves a
+    half-written figure, or a temporary file, behind.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.png")
     if isinstance(figure, str):
-        tmp.write_bytes(svg_png(figure))  # svg_png: see Figures, at the end
+        png = svg_png(figure)  # svg_png: see Figures, at the end
     else:
-        figure.save(str(tmp), scale_factor=2)
-    os.replace(tmp, path)
-    return path
+        import vl_convert
+
+        png = vl_convert.vegalite_to_png(figure.to_json(), scale=2)
+    return atomic_write_bytes(path, png)
 
 
 def save_attention_maps(checkpoint, sentence, out_dir, layer=0, heads=None):

@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -22,10 +23,10 @@ from the_annotated_transformer import (
     tokenize,
 )
 from workshop.figures import save_png
+from workshop.files import atomic_write_text
 from workshop.multi30k import DataError, read_split
 from workshop.runs import (
     RunConfig,
-    atomic_write_text,
     average_checkpoints,
     decoding,
     epoch_files,
@@ -34,6 +35,12 @@ from workshop.runs import (
     refuse_existing_run,
     train_model,
 )
+
+
+def _listed(numbers):
+    """1, 2 and 3: numbers in words, for a message."""
+    words = [str(n) for n in numbers]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
 
 
 def _spaced_tokens(texts, tokenizer):
@@ -74,7 +81,6 @@ def evaluate(
     )
     seconds = time.perf_counter() - start
     if output is not None:
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(output, "".join(line + "\n" for line in hypotheses))
     bleu = sacrebleu.metrics.BLEU()  # 13a tokenisation, cased: the standard
     score = bleu.corpus_score(hypotheses, [references])
@@ -203,6 +209,14 @@ def reproduce(
             "last epoch; the folder is incomplete."
         )
     candidates = {"last epoch": epochs[-1]}
+    dropped = sorted({k for k in windows if k > len(epochs)})
+    if dropped:
+        print(
+            f"warning: reproduce: averages of the last {_listed(dropped)} epochs "
+            f"dropped: {out_dir} keeps only {len(epochs)} epoch checkpoints "
+            "(the run's keep_checkpoints).",
+            file=sys.stderr,
+        )
     for k in sorted({k for k in windows if 1 < k <= len(epochs)}):
         path = out_dir / f"average_last_{k}.pt"
         average_checkpoints(epochs[-k:], path)

@@ -41,6 +41,7 @@ from the_annotated_transformer import (
     run_epoch,
 )
 from workshop import fast, multi30k
+from workshop.files import atomic_write, atomic_write_text
 from workshop.multi30k import DataError
 
 
@@ -104,6 +105,11 @@ class RunConfig(tat.TrainConfig):
             max_len=self.max_len,
             min_freq=self.min_freq,
         )
+        if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 1:
+            raise ValueError(
+                "keep_checkpoints is how many epoch_NNN.pt files a run keeps and must "
+                f"be a whole number of at least 1, got {self.keep_checkpoints!r}."
+            )
         if self.max_len < 3:
             raise ValueError(
                 f"max_len must be at least 3 (<s>, a word, </s>), got {self.max_len}."
@@ -157,6 +163,24 @@ TRAIN_PROFILES = {
 }
 
 
+def run_vocabs(config, data_dir, vocabs=None):
+    """Check the train and val files against their published digests, and return
+    `vocabs`, else the run's (vocab_src, vocab_tgt) built from the training split:
+    one joint subword vocabulary when vocab is "bpe", the book's word ones else."""
+    config.validate()
+    for split in ("train", "val"):
+        multi30k.verify_split(data_dir, split)
+    if vocabs is not None:
+        return vocabs
+    train = tat.read_split(data_dir, "train")[: config.max_train_pairs]
+    if config.vocab == "bpe":
+        texts = (text for pair in train for text in pair)
+        shared = SubwordVocab.build(texts, config.bpe_vocab_size)
+        return shared, shared
+    spacy_de, spacy_en = tat.load_tokenizers()
+    return tat.build_vocabulary(train, spacy_de, spacy_en, config.min_freq)
+
+
 def prepare_run_data(config, data_dir, vocabs=None):
     """The book's prepare_data for a run: the files checked against their published
     digests first, and one joint subword vocabulary learned when vocab is "bpe"."""
@@ -164,10 +188,7 @@ def prepare_run_data(config, data_dir, vocabs=None):
     for split in ("train", "val"):
         multi30k.verify_split(data_dir, split)
     if vocabs is None and config.vocab == "bpe":
-        train = tat.read_split(data_dir, "train")[: config.max_train_pairs]
-        texts = (text for pair in train for text in pair)
-        shared = SubwordVocab.build(texts, config.bpe_vocab_size)
-        vocabs = shared, shared
+        vocabs = run_vocabs(config, data_dir)
     return prepare_data(
         data_dir,
         max_len=config.max_len,
@@ -221,17 +242,6 @@ def decoding(beam_size=1, alpha=0.6):
     return dict(decode=tat.cached_greedy_decode)
 
 
-def atomic_write_text(path, text):
-    """Write text to `path` through a temporary file and a rename."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def subword_vocab_from_json(text):
     """The SubwordVocab whose tokenizer `tokenizer.to_str()` wrote as `text`."""
     from tokenizers import Tokenizer
@@ -264,18 +274,8 @@ def load_vocab(path):
 
 
 def save_checkpoint(path, state):
-    """torch.save `state` to `path` atomically (temporary file, fsync, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """torch.save `state` to `path` atomically (workshop.files.atomic_write)."""
+    atomic_write(path, lambda f: torch.save(state, f))
 
 
 def without_positional_tables(state_dict):
@@ -570,8 +570,12 @@ def train_worker(
     device=None,
     distributed=None,
     data=None,
+    vocabs=None,
 ):
-    """Train (one process of) a Multi30k model; returns the per-epoch history."""
+    """Train (one process of) a Multi30k model; returns the per-epoch history.
+
+    `vocabs` (vocab_src, vocab_tgt), when given, are the run's vocabularies: built
+    once before processes are spawned, so that every rank uses the same ones."""
     distributed = world_size > 1 if distributed is None else distributed
     device = _device_for(rank, device)
     is_main = rank == 0
@@ -594,6 +598,7 @@ def train_worker(
             is_main,
             say,
             data,
+            vocabs,
         )
     finally:
         if distributed:
@@ -619,9 +624,9 @@ def _train(
     is_main,
     say,
     data,
+    vocabs=None,
 ):
     checkpoint = load_checkpoint(out_dir / "last.pt") if resume else None
-    vocabs = None
     if checkpoint is not None:  # train_model has checked `config` against the run
         vocabs = vocabs_from_checkpoint(checkpoint)
     if data is not None and not _data_fits(data, config, vocabs):
@@ -861,7 +866,17 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _spawned_worker(rank, world_size, config, data_dir, out_dir, resume, quiet):
+def _spawned_worker(
+    rank, world_size, config, data_dir, out_dir, resume, quiet, vocabs=None
+):
+    if not torch.cuda.is_available():  # share the cores instead of oversubscribing
+        threads = max(1, (os.cpu_count() or 1) // world_size)
+        torch.set_num_threads(threads)
+        if rank == 0 and not quiet:
+            print(
+                f"{world_size} CPU processes, {threads} thread(s) each",
+                flush=True,
+            )
     train_worker(
         rank,
         world_size,
@@ -871,6 +886,7 @@ def _spawned_worker(rank, world_size, config, data_dir, out_dir, resume, quiet):
         resume=resume,
         quiet=quiet,
         distributed=True,
+        vocabs=vocabs,
     )
 
 
@@ -959,6 +975,15 @@ def train_model(config, data_dir, out_dir, *, resume=False, nprocs=1, quiet=Fals
     if nprocs > 1:
         import torch.multiprocessing as mp
 
+        # Check the data and build the vocabularies here, once: a bad folder is
+        # one line from this process, and every rank gets the same vocabularies.
+        vocabs = None
+        if resume:
+            vocabs = vocabs_from_checkpoint(load_checkpoint(out_dir / "last.pt"))
+        if not quiet:
+            print(f"checking Multi30k in {data_dir} and building the vocabularies ...")
+        vocabs = run_vocabs(config, data_dir, vocabs)
+
         rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
         saved = {key: os.environ.get(key) for key in rendezvous}
         os.environ.update({k: v for k, v in rendezvous.items() if saved[k] is None})
@@ -966,7 +991,7 @@ def train_model(config, data_dir, out_dir, *, resume=False, nprocs=1, quiet=Fals
             mp.spawn(
                 _spawned_worker,
                 nprocs=nprocs,
-                args=(nprocs, config, data_dir, out_dir, resume, quiet),
+                args=(nprocs, config, data_dir, out_dir, resume, quiet, vocabs),
             )
         finally:  # leave the caller's environment as it was
             for key, value in saved.items():
