@@ -1,9 +1,9 @@
 """Performance figures of the book's examples, printed as a table (never a test).
 
-Run with `make bench` (or `.venv/bin/python benchmarks/bench.py`). Every figure of
-issue #6 is a ratio against a reference measured in this same run on this same
-machine, after a warm-up, as the median of several repeats: the machines are shared
-and absolute times drift. The table says which machine it came from.
+Run with `make bench` (or `PYTHONPATH=. .venv/bin/python benchmarks/bench.py`).
+Every figure of issue #6 is a ratio against a reference measured in this same run
+on this same machine, after a warm-up, as the median of several repeats: the
+machines are shared and absolute times drift. The table says which machine it came from.
 
     benchmarks/bench.py                      every figure (several minutes on 2 cores)
     benchmarks/bench.py --quick              a fast smoke: smaller sizes, one repeat
@@ -35,17 +35,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import the_annotated_transformer as tat  # noqa: E402
-from workshop import fast  # noqa: E402
-from workshop.runs import (  # noqa: E402
+# The book and workshop/ are found through PYTHONPATH, which `make bench` sets to the
+# repository root (PYTHONPATH=. .venv/bin/python benchmarks/bench.py by hand).
+import the_annotated_transformer as tat
+from workshop import fast
+from workshop.runs import (
     RunConfig,
     bf16_matmul_speedup,
     loss_compute_for_run,
     models_for_run,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
 
 DEFAULT_JSON = "benchmarks/results.json"
 MAX_SENTENCE = 24  # issue #6: ragged sentences of up to 24 tokens

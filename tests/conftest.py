@@ -1,6 +1,6 @@
-"""Shared test setup: make the book's module importable from the repository root.
+"""Shared test setup: the numerical tests' marker and the check of their second pass.
 
-Below the book's own setup: the fixtures and helpers that tests in more than one file
+Below them: the fixtures and helpers that tests in more than one file
 use (the book's Part 3 and 5 tests and the workshop package's tests): Multi30k split
 files and a local download server, smoke-profile training runs and their checkpoints,
 and the results' stand-ins and runs.
@@ -22,13 +22,48 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+# The repository root is on sys.path through pyproject.toml's `pythonpath = ["."]`.
+import the_annotated_transformer as tat
+from workshop import multi30k, results, runs
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
-import the_annotated_transformer as tat  # noqa: E402  (needs the path above)
-from workshop import multi30k, results, runs  # noqa: E402  (needs it too)
+# ---------------------------------------------------------------------------
+# The numerical tests, and the pass of `make test` that runs them on another code path
+
+# The modules whose numbers depend on the CPU kernels torch picks: `make test` runs
+# them once more (`pytest -m numerical`) on the plain, non-AVX code path.
+NUMERICAL_MODULES = {
+    "test_part1_model.py",
+    "test_part2_training.py",
+    "test_part5_decoding.py",
+}
+
+# Set by that pass of `make test`, beside ATEN_CPU_CAPABILITY=default: the capability
+# torch must report, or the pass would only repeat the first one.
+EXPECT_CAPABILITY_ENV = "EXPECT_CPU_CAPABILITY"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in NUMERICAL_MODULES:
+            item.add_marker(pytest.mark.numerical)
+
+
+def pytest_sessionstart(session):
+    expected = os.environ.get(EXPECT_CAPABILITY_ENV)
+    if not expected:
+        return
+    actual = torch.backends.cpu.get_cpu_capability()
+    if actual.upper() != expected.upper():
+        pytest.exit(
+            f"${EXPECT_CAPABILITY_ENV} is {expected!r}, but torch reports the CPU "
+            f"capability {actual!r} (ATEN_CPU_CAPABILITY="
+            f"{os.environ.get('ATEN_CPU_CAPABILITY')!r}): these tests would not run "
+            "on the code path they are meant to check.",
+            returncode=1,
+        )
 
 
 def run_python(code):
@@ -151,6 +186,7 @@ CHROMIUM_FLAGS = [
     "--headless",
     "--no-sandbox",
     "--disable-gpu",
+    "--disable-dev-shm-usage",  # containers get a 64 MB /dev/shm: use /tmp instead
     "--no-first-run",
     "--disable-background-networking",
     "--disable-component-update",

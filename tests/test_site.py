@@ -5,8 +5,8 @@ cell of the book and writes the page with tools/export_html.py, the exporter beh
 `make html` too. Headless Chromium (Debian's, which .ci/run installs) then opens the
 page from disk with every host name unresolvable, takes a screenshot and dumps the
 DOM after its scripts ran: the title, the table of contents, the charts and the
-typeset math must all be there without the network. The GitHub Pages workflow must
-build the site with the same target.
+typeset math must all be there without the network. (tests/test_workflows.py checks
+that the GitHub Pages workflow builds the site with the same target.)
 """
 
 import base64
@@ -19,13 +19,11 @@ from pathlib import Path
 from urllib.parse import unquote
 
 import pytest
-import yaml
 from bs4 import BeautifulSoup
 from conftest import book_title, run_chromium
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 IMAGES = REPO_ROOT / "images"
-PAGES_WORKFLOW = REPO_ROOT / ".github" / "workflows" / "site.yml"
 PNG_DATA_URL = "data:image/png;base64,"
 
 pytestmark = pytest.mark.slow
@@ -233,30 +231,3 @@ def test_make_site_says_what_is_wrong_and_keeps_the_previous_site(
     assert message in result.stderr.splitlines()
     assert "Traceback" not in result.stderr
     assert (site / "index.html").read_text() == "the previous build"
-
-
-def test_pages_workflow_publishes_what_make_site_builds_on_pushes_to_main():
-    workflow = yaml.safe_load(PAGES_WORKFLOW.read_text())
-    triggers = workflow.get("on", workflow.get(True))  # YAML 1.1 reads `on` as true
-    assert triggers["push"]["branches"] == ["main"]
-    assert workflow["permissions"]["pages"] == "write"
-    assert workflow["permissions"]["id-token"] == "write"  # deploy-pages needs both
-    build, deploy = workflow["jobs"]["build"], workflow["jobs"]["deploy"]
-    runs = [step.get("run") for step in build["steps"]]
-    uses = {
-        step["uses"].partition("@")[0]: step.get("with", {})
-        for step in build["steps"]
-        if "uses" in step
-    }
-    data = build["env"]["DATA_DIR"]
-    # The data is downloaded by the project's own command into the cached folder,
-    # before the same target a reader runs builds the site from it.
-    download = '.venv/bin/python -m workshop download --data-dir "$DATA_DIR"'
-    make_site = 'make site DATA_DIR="$DATA_DIR"'
-    assert uses["actions/cache"]["path"] == data
-    assert runs.index("make setup") < runs.index(download) < runs.index(make_site)
-    assert uses["actions/upload-pages-artifact"]["path"] == "site"  # SITE_DIR's default
-    assert deploy["needs"] == "build"
-    assert [step["uses"].partition("@")[0] for step in deploy["steps"]] == [
-        "actions/deploy-pages"
-    ]
