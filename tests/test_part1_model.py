@@ -345,7 +345,14 @@ def test_masked_multi_headed_attention_in_half_precision_is_finite_and_close_to_
         full = mha(query, key, value, mask)
         out = half(query.to(dtype), key.to(dtype), value.to(dtype), mask)
     assert out.dtype == dtype and torch.isfinite(out).all()
-    torch.testing.assert_close(out.float(), full, atol=5e-2, rtol=5e-2)
+    # u = 2^-8 (bfloat16) or 2^-11 (float16) per rounding. One attention rounds
+    # about 9 times on a path (inputs and weights stored, the q/k/v projection,
+    # scores, scaling, softmax's exp, sum and division, the weighted sum, the output
+    # projection; matmuls sum in float32 and round once), on values of order 1 (the
+    # outputs reach 2.4): of random sign, sqrt(9) u = 3u, so 4u(1 + |x|) bounds it
+    # (measured: 1.2u in bfloat16, 1.5u in float16).
+    u = torch.finfo(dtype).eps / 2
+    torch.testing.assert_close(out.float(), full, atol=4 * u, rtol=4 * u)
 
 
 def test_model_gives_exactly_zero_weight_to_future_positions_and_padded_keys():
@@ -380,7 +387,20 @@ def test_masked_model_runs_in_half_precision_with_finite_log_probabilities(
         half_model = copy.deepcopy(model).to(dtype)
         half = half_model.generator(half_model(src, tgt, src_mask, tgt_mask))
     assert half.dtype == dtype and torch.isfinite(half).all()
-    torch.testing.assert_close(half.float(), full, atol=0.15, rtol=0.05)
+    # u, the relative rounding of one operation, is 2^-8 ~ 0.0039 for bfloat16 (an
+    # 8-bit significand) and 2^-11 ~ 0.00049 for float16. On the longest path from
+    # an input to a log-probability this model rounds about 80 times (weights and
+    # embeddings stored, 4 linears, scores, softmax and weighted sum in each of 6
+    # attentions, 2 linears in each of 4 feed-forwards, 10 layer norms, 10 residual
+    # sums, the generator and log-softmax; each matmul sums in float32 and rounds
+    # once). Every hidden value is layer-normed to O(1), so each rounding errs by
+    # about u in absolute terms there; of random sign, 80 of them add up to about
+    # sqrt(80) u ~ 9u, not 80u. The log-probabilities lie in [1, 5] here (ln 11 ~
+    # 2.4 when uniform), and log-softmax passes a logit's error on unchanged, so
+    # 9u(1 + |x|) bounds the error: 0.035(1 + |x|) in bfloat16, where 0.012|x| is
+    # measured, and 0.0044(1 + |x|) in float16, where 0.0021|x| is.
+    u = torch.finfo(dtype).eps / 2
+    torch.testing.assert_close(half.float(), full, atol=9 * u, rtol=9 * u)
 
 
 # ---------------------------------------------------------------------------------
@@ -472,9 +492,15 @@ def layer_norm_and_input():
 
 
 def test_layer_norm_has_parameters_a_2_and_b_2_and_eps_1e_6():
-    norm = tat.LayerNorm(4)
+    norm = tat.LayerNorm(2).double()
     assert [name for name, _ in norm.named_parameters()] == ["a_2", "b_2"]
-    assert norm.eps == 1e-6
+    # A row of variance 3e-6, as small as eps: (x - mean) / sqrt(var + eps) is
+    # +-sqrt(3e-6) / sqrt(4e-6) = +-sqrt(3)/2 with eps = 1e-6; eps = 1e-5 would give
+    # +-0.48 and no eps +-1.
+    a = math.sqrt(3e-6)
+    out = norm(torch.tensor([[-a, a]], dtype=torch.float64))
+    expected = torch.tensor([[-1.0, 1.0]], dtype=torch.float64) * math.sqrt(3) / 2
+    torch.testing.assert_close(out, expected, rtol=1e-9, atol=0)
 
 
 def test_layer_norm_equals_torch_layer_norm_with_the_same_parameters(

@@ -92,7 +92,21 @@ def test_cached_and_uncached_greedy_decoding_choose_the_same_tokens(case):
     kwargs = dict(end_symbol=end, pad_symbol=2 if end is not None else None)
     cached = tat.cached_greedy_decode(model, src, src_mask, 10, start, **kwargs)
     plain = tat.greedy_decode(model, src, src_mask, 10, start, **kwargs)
-    assert torch.equal(cached, plain)
+    assert cached.shape[0] == plain.shape[0]
+    # An untrained model may nearly tie two tokens, and the cached step may round
+    # up to float32_tolerance away from the full one: where the top two lie within
+    # twice that, either choice is right, so each row is compared up to its first
+    # such step (as the beam-search tests keep away from near ties).
+    steps = step_log_probs(model, src, src_mask, plain)  # (step, batch, vocab)
+    top2 = steps.topk(2, dim=-1).values
+    tied = (top2[..., 0] - top2[..., 1]) <= 2 * float32_tolerance(model, steps)
+    compared = 0
+    for row in range(plain.size(0)):
+        ties = tied[:, row].nonzero()
+        length = 1 + (int(ties[0]) if len(ties) else tied.size(0))
+        assert torch.equal(cached[row, :length], plain[row, :length]), row
+        compared += length - 1
+    assert compared >= tied.numel() // 2  # near-ties are rare
 
 
 def test_cached_step_log_probabilities_equal_uncached_ones_to_float32_rounding(case):

@@ -11,24 +11,13 @@ $ANNOTATED_TRANSFORMER_DATA: skipped on a laptop without it, failing in CI.
 import unicodedata
 
 import pytest
-from conftest import data_dir_or_skip, texts_of
+from conftest import texts_of
 
 import the_annotated_transformer as tat
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 SMALL = dict(N=1, d_model=32, d_ff=64, h=2, dropout=0.0)
-
-
-# ---------------------------------------------------------------------------
-# Shared setup
-
-
-def test_data_fixture_skips_locally_but_fails_in_ci_when_the_variable_is_unset():
-    with pytest.raises(pytest.skip.Exception):
-        data_dir_or_skip({})
-    with pytest.raises(pytest.fail.Exception, match=tat.DATA_ENV):
-        data_dir_or_skip({"CI": "true"})
 
 
 # ---------------------------------------------------------------------------

@@ -34,21 +34,37 @@ def translator(trained_checkpoint):
 # Evaluating: BLEU on a split
 
 
-def test_sacrebleu_scores_the_references_against_themselves_as_100(tmp_path, capsys):
+def test_evaluate_scores_exactly_what_translate_returned_in_order(tmp_path, capsys):
     import sacrebleu
 
-    references = [en for _, en in HANDMADE_PAIRS]
-    assert sacrebleu.corpus_bleu(references, [references]).score == pytest.approx(100)
     write_split(tmp_path, "handmade", HANDMADE_PAIRS)
-    echo = EchoTranslator(dict(HANDMADE_PAIRS))
+    # Imperfect answers, so the score is neither 0 nor 100 and depends on which
+    # hypothesis is paired with which reference.
+    answers = {
+        HANDMADE_PAIRS[0][0]: "A dog runs across the meadow.",
+        HANDMADE_PAIRS[1][0]: "Two men are playing football.",
+        HANDMADE_PAIRS[2][0]: "A woman reads a book in the garden.",
+    }
+    echo = EchoTranslator(answers)
     result = results.evaluate(echo, tmp_path, "handmade", beam_size=3, batch_size=2)
     beam_3 = {"decode": fast.beam_search, "beam_size": 3, "alpha": 0.6}
     assert echo.calls == [([de for de, _ in HANDMADE_PAIRS], 2, beam_3)]
-    assert result["bleu"] == pytest.approx(100)
-    assert result["bleu_lowercase_spacy"] == pytest.approx(100)
+    hypotheses = [answers[de] for de, _ in HANDMADE_PAIRS]
+    references = [en for _, en in HANDMADE_PAIRS]
+    assert result["hypotheses"] == hypotheses
+    bleu = sacrebleu.metrics.BLEU()
+    expected = bleu.corpus_score(hypotheses, [references])
+    assert result["signature"] == str(bleu.get_signature())
+    assert result["bleu"] == pytest.approx(expected.score)
+    assert result["precisions"] == pytest.approx(list(expected.precisions))
+    assert 0 < result["bleu"] < 100
+    # Paired the wrong way round, the same sentences would score differently.
+    shuffled = bleu.corpus_score(hypotheses[1:] + hypotheses[:1], [references])
+    assert shuffled.score != pytest.approx(result["bleu"])
     assert (result["n"], result["beam_size"], result["split"]) == (3, 3, "handmade")
     printed = capsys.readouterr().out
-    assert "BLEU = 100.00" in printed and "nrefs:1|case:mixed" in printed
+    assert f"BLEU = {expected.score:.2f}" in printed
+    assert f"signature: {result['signature']}" in printed
 
 
 def test_greedy_evaluation_decodes_with_the_key_value_cache(tmp_path):
