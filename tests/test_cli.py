@@ -192,6 +192,12 @@ def test_help_lists_the_copy_and_figures_commands():
     assert "copy" in result.stdout and "figures" in result.stdout
 
 
+def test_no_command_exits_2_in_one_line_listing_the_commands():
+    result = run_script()
+    assert_one_line_error(result, "python -m workshop", "name a command", "download")
+    assert result.stdout == ""  # nothing ran (the book's script is the copy task)
+
+
 @pytest.mark.slow
 def test_the_book_run_as_a_script_trains_the_copy_task_and_exits_0():
     # The book alone (`make run`): it imports nothing from the workshop.
@@ -241,7 +247,7 @@ def test_download_command_cut_off_mid_file_exits_2_in_one_line_and_keeps_nothing
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "train.de.gz" in err[0]
     assert "train.de.gz" in multi30k_server.requested
-    assert not [name for name in names_in(target) if "train.de" in name]
+    assert not target.exists()  # the first file: nothing kept, not even the folder
 
 
 # ---------------------------------------------------------------------------
@@ -605,25 +611,47 @@ def test_download_command_without_network_exits_2_in_one_line_and_keeps_nothing(
     closed = f"http://127.0.0.1:{free_port()}/"  # nothing listens: as if offline
     target = tmp_path / "data"
     result = run_script("download", "--data-dir", str(target), "--base-url", closed)
-    assert_one_line_error(result, "train.de.gz", "could not download", "DATA_DIR")
-    assert names_in(target) == []
+    assert_one_line_error(result, "train.de.gz", "could not download", "--data-dir")
+    assert f"${tat.DATA_ENV}" in result.stderr
+    assert not target.exists()  # nothing partial, not even the folder it made
+
+
+@pytest.mark.parametrize("base_url", ["notaurl", "ftp://example.org/multi30k/"])
+def test_download_command_from_no_address_exits_2_in_one_line(base_url, tmp_path):
+    target = tmp_path / "data"
+    result = run_script("download", "--data-dir", str(target), "--base-url", base_url)
+    assert_one_line_error(result, repr(base_url), "http://, https:// or file://")
+    assert not target.exists()
+
+
+def test_download_command_into_a_file_exits_2_in_one_line(tmp_path):
+    (tmp_path / "afile").write_text("mine")
+    result = run_script("download", "--data-dir", str(tmp_path / "afile"))
+    assert_one_line_error(result, "afile", "not a folder", "--data-dir DIR")
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+def copy_of_the_checkout(tmp_path):
+    """A copy of the checkout's Makefile, workshop and book (no data, no results)."""
+    checkout = tmp_path / "checkout"
+    checkout.mkdir(exist_ok=True)
+    for name in ("Makefile", "the_annotated_transformer.py", "requirements.txt"):
+        shutil.copy2(REPO_ROOT / name, checkout / name)
+    shutil.copy2(REPO_ROOT / "requirements-dev.txt", checkout)
+    shutil.copytree(REPO_ROOT / "workshop", checkout / "workshop", dirs_exist_ok=True)
+    return checkout
 
 
 def make_in_a_copy(tmp_path, *targets, **variables):
-    """Run make TARGETS in a copy of the checkout's Makefile, workshop and book,
-    with the project's .venv; returns the CompletedProcess."""
-    checkout = tmp_path / "checkout"
-    for name in ("Makefile", "the_annotated_transformer.py", "requirements.txt"):
-        (checkout / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO_ROOT / name, checkout / name)
-    shutil.copy2(REPO_ROOT / "requirements-dev.txt", checkout)
-    shutil.copytree(REPO_ROOT / "workshop", checkout / "workshop")
+    """Run make TARGETS in a copy of the checkout (copy_of_the_checkout), with the
+    project's .venv; returns the CompletedProcess."""
+    checkout = copy_of_the_checkout(tmp_path)
     # The project's .venv, whose stamp is newer than the copied requirements (copied
     # with their times): make installs nothing.
     venv = REPO_ROOT / ".venv"
     options = [f"VENV={venv}", *(f"{k}={v}" for k, v in variables.items())]
     # Not the variables of a make that runs this test: its DATA_DIR would win.
-    outer = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "DATA_DIR")
+    outer = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "DATA_DIR", tat.DATA_ENV)
     env = {k: v for k, v in os.environ.items() if k not in outer}
     return subprocess.run(
         ["make", "--no-print-directory", *targets, *options],
@@ -635,29 +663,72 @@ def make_in_a_copy(tmp_path, *targets, **variables):
     )
 
 
-def test_make_data_without_network_fails_in_one_line(tmp_path):
+def committed_log(tmp_path, profile):
+    """results/PROFILE.log in the copy of the checkout, as if committed."""
+    log = tmp_path / "checkout" / "results" / f"{profile}.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("the committed log\n", encoding="utf-8")
+    return log
+
+
+def test_make_data_fills_the_default_folder_and_checks_it(multi30k_server, tmp_path):
+    result = make_in_a_copy(tmp_path, "data", DATA_URL=multi30k_server.url)
+    assert result.returncode == 0, result.stderr
+    folder = tmp_path / "checkout" / "data" / "multi30k"
+    assert names_in(folder) == sorted(multi30k.MULTI30K_SHA256)
+    assert "Multi30k is in data/multi30k" in result.stdout.splitlines()
+
+
+@pytest.mark.parametrize("target", ["data", "multi30k"])
+def test_make_data_without_network_fails_in_one_line(target, tmp_path):
     # DATA_DIR from the Makefile's default: `make data` must fetch, and cannot (the
     # address is a closed port on this machine, as the real one is without network).
+    # `make multi30k` runs it first, and stops there.
+    log = committed_log(tmp_path, "multi30k")
     closed = f"http://127.0.0.1:{free_port()}/"
-    result = make_in_a_copy(tmp_path, "data", DATA_URL=closed)
+    result = make_in_a_copy(tmp_path, target, DATA_URL=closed)
     assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "train.de.gz" in errors[0], result.stderr
-    assert "Traceback" not in result.stderr
+    error, make_says = result.stderr.splitlines()  # the error, and make's own line
+    assert error.startswith("error: train.de.gz: could not download it from " + closed)
+    assert make_says.startswith("make: *** [Makefile:") and "data] Error 2" in make_says
+    assert not (tmp_path / "checkout" / "data").exists()  # nothing partial
+    assert log.read_text(encoding="utf-8") == "the committed log\n"
+    assert names_in(log.parent) == ["multi30k.log"]
 
 
 def test_a_failed_results_run_leaves_the_committed_log_untouched(tmp_path):
-    checkout = tmp_path / "checkout"
-    (checkout / "results").mkdir(parents=True)
-    committed = checkout / "results" / "smoke.log"
-    committed.write_text("the committed log\n", encoding="utf-8")
+    log = committed_log(tmp_path, "smoke")
     empty = tmp_path / "no_data"  # named, so nothing is fetched; it holds no files
     empty.mkdir()
     result = make_in_a_copy(tmp_path, "results-smoke", DATA_DIR=empty)
     assert result.returncode != 0
     assert "train.de.gz" in result.stdout + result.stderr  # the one-line error
-    assert committed.read_text(encoding="utf-8") == "the committed log\n"
-    assert sorted(p.name for p in (checkout / "results").iterdir()) == ["smoke.log"]
+    assert log.read_text(encoding="utf-8") == "the committed log\n"
+    assert names_in(log.parent) == ["smoke.log"]
+
+
+@pytest.mark.parametrize("status", [0, 1])
+def test_a_results_log_replaces_the_committed_one_only_when_the_run_succeeds(
+    status, tmp_path
+):
+    # A stand-in for the venv's python: prints its arguments, then a line on stderr,
+    # and exits with `status`, as reproduce would after a run.
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\necho "ran: $*"\necho "on stderr" >&2\nexit {status}\n')
+    fake.chmod(0o755)
+    log = committed_log(tmp_path, "quick")
+    data = tmp_path / "named"
+    result = make_in_a_copy(tmp_path, "results-quick", DATA_DIR=data, VENV_PYTHON=fake)
+    assert names_in(log.parent) == ["quick.log"]  # no partial log left either way
+    if status:
+        assert result.returncode != 0
+        assert log.read_text(encoding="utf-8") == "the committed log\n"
+    else:
+        assert result.returncode == 0, result.stderr
+        ran = f"ran: -m workshop reproduce --profile quick --data-dir {data} "
+        assert log.read_text(encoding="utf-8") == (
+            f"{ran}--out runs/quick\non stderr\n"
+        )
 
 
 # ---------------------------------------------------------------------------

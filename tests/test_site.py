@@ -231,3 +231,20 @@ def test_make_site_says_what_is_wrong_and_keeps_the_previous_site(
     assert message in result.stderr.splitlines()
     assert "Traceback" not in result.stderr
     assert (site / "index.html").read_text() == "the previous build"
+
+
+def test_make_site_with_a_data_folder_lacking_files_says_how_to_fill_it(tmp_path):
+    site, data = tmp_path / "site", tmp_path / "data"
+    data.mkdir()  # named, so nothing is fetched into it: the site would skip Part 3
+    (data / "train.de.gz").write_bytes(b"")  # one of the six, of whatever content
+    result = make_site(site, DATA_DIR=str(data))
+    assert result.returncode != 0
+    message = (
+        f"make site: $ANNOTATED_TRANSFORMER_DATA names {data}, which lacks "
+        "train.en.gz, val.de.gz, val.en.gz, test_2016_flickr.de.gz, "
+        f"test_2016_flickr.en.gz; fill it with `make data DATA_DIR={data}`, or point "
+        "DATA_DIR at the Multi30k folder."
+    )
+    assert message in result.stderr.splitlines(), result.stderr
+    assert "Traceback" not in result.stderr
+    assert not site.exists()

@@ -1,15 +1,17 @@
 """workshop.multi30k: downloading Multi30k and checking the files' digests.
 
 The download is served from 127.0.0.1 (conftest's multi30k_server), never from the
-network. The Multi30k files are found through $ANNOTATED_TRANSFORMER_DATA: without it
-these tests are skipped on a laptop, but fail in CI (CI=true).
+network; a closed port on 127.0.0.1 stands for a machine without network. The
+Multi30k files are found through $ANNOTATED_TRANSFORMER_DATA: without them these tests
+are skipped on a laptop, but fail in CI (CI=true).
 """
 
+import functools
 import gzip
 import shutil
 
 import pytest
-from conftest import names_in, write_lines_gz
+from conftest import free_port, names_in, write_lines_gz
 
 import the_annotated_transformer as tat
 from workshop import multi30k, runs
@@ -82,6 +84,154 @@ def test_download_of_a_file_the_server_does_not_have_names_the_file(
         multi30k.download_multi30k(target, base_url=multi30k_server.url, quiet=True)
     assert "404" in str(error.value)
     assert not [n for n in names_in(target) if "test_2016_flickr.en.gz" in n]
+
+
+def test_download_replaces_a_file_whose_digest_differs_and_says_so(
+    multi30k_server, multi30k_dir, tmp_path, capsys
+):
+    target = tmp_path / "data"
+    target.mkdir()
+    for name in multi30k.MULTI30K_SHA256:
+        shutil.copyfile(multi30k_dir / name, target / name)
+    (target / "train.en.gz").write_bytes(b"not the published file")
+    multi30k.download_multi30k(target, base_url=multi30k_server.url)
+    assert multi30k_server.requested == ["train.en.gz"]
+    assert (
+        multi30k.sha256_of(target / "train.en.gz")
+        == (multi30k.MULTI30K_SHA256["train.en.gz"])
+    )
+    said = capsys.readouterr().out.splitlines()
+    assert "train.de.gz: present and verified" in said
+    assert (
+        "train.en.gz: downloaded again (the copy here had another SHA-256) and "
+        "verified" in said
+    )
+    assert names_in(target) == sorted(multi30k.MULTI30K_SHA256)
+
+
+def test_download_into_a_complete_folder_fetches_and_writes_nothing(
+    multi30k_dir, monkeypatch, capsys
+):
+    # Every file there and verified: nothing is fetched and nothing is written (so a
+    # shared, read-only copy is fine), even without network.
+    def no_download(*args, **kwargs):
+        raise AssertionError("downloaded a verified file")
+
+    monkeypatch.setattr("torch.hub.download_url_to_file", no_download)
+    closed = f"http://127.0.0.1:{free_port()}/"
+    before = names_in(multi30k_dir)
+    multi30k.download_multi30k(multi30k_dir, base_url=closed)
+    assert capsys.readouterr().out.count("present and verified") == 6
+    assert names_in(multi30k_dir) == before
+
+
+def test_download_without_network_names_the_file_and_leaves_no_folder_behind(
+    tmp_path,
+):
+    closed = f"http://127.0.0.1:{free_port()}/"  # nothing listens: as if offline
+    target = tmp_path / "new" / "multi30k"
+    with pytest.raises(DataError) as error:
+        multi30k.download_multi30k(target, base_url=closed, quiet=True)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith("train.de.gz: could not download it from " + closed)
+    assert "--data-dir DIR" in message and f"${tat.DATA_ENV}" in message
+    assert names_in(tmp_path) == []  # the folders it made are gone again
+
+
+def test_download_cut_off_keeps_the_verified_files_and_nothing_partial(
+    multi30k_server, tmp_path
+):
+    multi30k_server.cut.add("val.de.gz")
+    target = tmp_path / "data"
+    # Cut short, the file fails to arrive or fails its digest: either way, one error.
+    with pytest.raises(DataError, match=r"^val\.de\.gz: .*nothing was saved"):
+        multi30k.download_multi30k(target, base_url=multi30k_server.url, quiet=True)
+    assert names_in(target) == ["train.de.gz", "train.en.gz"]  # verified, kept
+
+
+@pytest.mark.parametrize(
+    "base_url", ["notaurl", "ftp://example.org/", "http://", "http://[::1/"]
+)
+def test_download_from_no_address_says_what_to_give_and_creates_nothing(
+    base_url, tmp_path
+):
+    target = tmp_path / "data"
+    with pytest.raises(DataError, match="is not an address to download") as error:
+        multi30k.download_multi30k(target, base_url=base_url, quiet=True)
+    assert "http://, https:// or file://" in str(error.value)
+    assert not target.exists()
+
+
+def test_download_adds_the_slash_a_base_address_lacks(multi30k_server, tmp_path):
+    url = multi30k_server.url.rstrip("/")
+    multi30k.download_multi30k(tmp_path / "data", base_url=url, quiet=True)
+    assert names_in(tmp_path / "data") == sorted(multi30k.MULTI30K_SHA256)
+
+
+@pytest.mark.parametrize("where", ["a file", "inside a file"])
+def test_download_into_a_file_says_the_folder_cannot_hold_the_files(where, tmp_path):
+    (tmp_path / "afile").write_text("")
+    target = tmp_path / "afile" if where == "a file" else tmp_path / "afile" / "sub"
+    with pytest.raises(DataError, match="cannot hold the Multi30k files") as error:
+        multi30k.download_multi30k(target, quiet=True)
+    assert "--data-dir DIR" in str(error.value)
+    assert names_in(tmp_path) == ["afile"]
+
+
+# ---------------------------------------------------------------------------
+# The book's own download (the notebook's), from the same local server
+
+
+def test_the_books_fetch_downloads_the_six_files_and_checks_each_digest(
+    multi30k_server, multi30k_dir, tmp_path
+):
+    target = tmp_path / "multi30k"
+    assert tat.fetch_multi30k(target, base_url=multi30k_server.url) == target
+    assert names_in(target) == sorted(tat.MULTI30K_SHA256)  # nothing half-written
+    for name, digest in tat.MULTI30K_SHA256.items():
+        assert multi30k.sha256_of(target / name) == digest
+        assert (target / name).read_bytes() == (multi30k_dir / name).read_bytes()
+    tat.fetch_multi30k(target, base_url=multi30k_server.url)  # present: not fetched
+    assert len(multi30k_server.requested) == 6
+
+
+def test_the_books_fetch_refuses_a_file_whose_digest_differs(multi30k_server, tmp_path):
+    served = multi30k_server.folder / "val.en.gz"
+    served.write_bytes(served.read_bytes()[:-50])  # not the published file
+    target = tmp_path / "multi30k"
+    with pytest.raises(RuntimeError, match="invalid hash value"):
+        tat.fetch_multi30k(target, base_url=multi30k_server.url)
+    assert "val.en.gz" in multi30k_server.requested
+    assert names_in(target) == ["train.de.gz", "train.en.gz", "val.de.gz"]
+
+
+def test_the_notebook_without_data_or_network_says_so_in_one_line(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.delenv(tat.DATA_ENV, raising=False)
+    default = tmp_path / "data" / "multi30k"
+    monkeypatch.setattr(tat, "default_data_dir", lambda: default)
+    closed = f"http://127.0.0.1:{free_port()}/"  # nothing listens: as if offline
+    monkeypatch.setattr(
+        tat, "fetch_multi30k", functools.partial(tat.fetch_multi30k, base_url=closed)
+    )
+    assert tat.notebook_data_dir() is None
+    said = capsys.readouterr().out
+    assert said.count("\n") == 1 and said.endswith("Skipping.\n")
+    assert str(default) in said and tat.DATA_ENV in said
+    assert not list(default.iterdir())  # nothing fetched, nothing half-written
+
+
+def test_the_digests_are_the_books():
+    # One table: the workshop checks what the book fetches.
+    assert multi30k.MULTI30K_SHA256 is tat.MULTI30K_SHA256
+    assert multi30k.MULTI30K_URL == tat.MULTI30K_URL
+    assert sorted(multi30k.MULTI30K_SHA256) == sorted(
+        f"{split}.{lang}.gz"
+        for split in multi30k.MULTI30K_SIZES
+        for lang in ("de", "en")
+    )
 
 
 # ---------------------------------------------------------------------------

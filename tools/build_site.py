@@ -54,6 +54,14 @@ def check_environment(environ):
             f"${DATA_ENV} names {data}, which is not a folder; point it at the "
             "Multi30k folder (make site DATA_DIR=...) or unset it."
         )
+    folder = Path(data) if data else None
+    missing = [n for n in book.MULTI30K_SHA256 if folder and not (folder / n).is_file()]
+    if missing:  # the notebook would skip Part 3's examples: a broken site
+        raise BuildError(
+            f"${DATA_ENV} names {data}, which lacks {', '.join(missing)}; fill it "
+            f"with `make data DATA_DIR={data}`, or point DATA_DIR at the Multi30k "
+            "folder."
+        )
     if not data:
         print(
             f"note: ${DATA_ENV} is not set, so Part 3 reads data/multi30k and "

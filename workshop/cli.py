@@ -95,7 +95,8 @@ def build_parser():
     download.add_argument(
         "--base-url",
         default=MULTI30K_URL,
-        help="where the six files are (default: the Multi30k project's repository)",
+        help="the address of a folder (or a mirror) that holds the six files "
+        "(default: the Multi30k project's repository)",
     )
     train = commands.add_parser("train", help="train a German->English model")
     train.add_argument("--data-dir", help=DATA_DIR_HELP)
@@ -137,6 +138,7 @@ def build_parser():
     figures.add_argument("--out", default="images", help="output folder (images/)")
     figures.add_argument("names", nargs="*", help="only these charts (default: all)")
     _add_results_commands(commands)
+    parser.command_names = list(commands.choices)
     return parser
 
 
@@ -198,7 +200,11 @@ def main(argv=None):
     Every failure ends as one line on stderr that says what was wrong, and exit
     status 2 (set ANNOTATED_TRANSFORMER_DEBUG=1 to see the traceback instead).
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        names = ", ".join(parser.command_names)
+        parser.error(f"name a command: {names}")
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):  # progress shows up in log files, and a
             # console that cannot show a character (say, α) gets an escape instead
@@ -244,11 +250,9 @@ def _one_line(error):
 
 def _run_command(args):
     """Run the parsed command; returns the exit status."""
-    if args.command in (None, "copy"):
-        config = CopyTaskConfig()
-        if args.command == "copy":
-            config = CopyTaskConfig(epochs=args.epochs, seed=args.seed)
-        _, exact = example_simple_model(config, quiet=getattr(args, "quiet", False))
+    if args.command == "copy":
+        config = CopyTaskConfig(epochs=args.epochs, seed=args.seed)
+        _, exact = example_simple_model(config, quiet=args.quiet)
         return 0 if exact else 1
     if args.command == "figures":
         save_figures(args.out, args.names)

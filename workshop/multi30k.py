@@ -50,42 +50,131 @@ def sha256_of(path):
     return digest.hexdigest()
 
 
+# What every download error ends with: where else the files can come from.
+ELSEWHERE = (
+    f"give a folder that holds the six files instead: --data-dir DIR or "
+    f"${DATA_ENV} (for make: DATA_DIR=DIR)"
+)
+
+
+def checked_base_url(base_url):
+    """`base_url` ending in a slash, or a DataError when it is no address to fetch
+    from (http, https or file)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(base_url)
+    except ValueError:
+        parts = None
+    remote = parts is not None and parts.scheme in ("http", "https") and parts.netloc
+    if not (remote or (parts is not None and parts.scheme == "file")):
+        raise DataError(
+            f"{base_url!r} is not an address to download Multi30k from: give the "
+            f"http://, https:// or file:// address of the folder that holds the six "
+            f"files (the default is {MULTI30K_URL})."
+        )
+    return base_url if base_url.endswith("/") else base_url + "/"
+
+
+def _download_failure(name, base_url, error):
+    """The one-line DataError for a file that could not be downloaded."""
+    if isinstance(error, RuntimeError):  # torch.hub's message for a wrong digest
+        return DataError(
+            f"{name}: the file downloaded from {base_url} is not the published one "
+            f"(its SHA-256 differs: {error}): the download was cut short, or the "
+            f"file there changed; nothing was saved. Try again, or {ELSEWHERE}."
+        )
+    if hasattr(error, "code"):  # an HTTP error: the server answered, without the file
+        reason = f"HTTP {error.code}: {error.reason}"
+    else:  # no answer: the network, the name or the connection failed
+        reason = getattr(error, "reason", None) or str(error) or type(error).__name__
+    return DataError(
+        f"{name}: could not download it from {base_url} ({reason}); nothing was "
+        f"saved. Check the connection, or {ELSEWHERE}."
+    )
+
+
+def _cannot_hold(data_dir, error):
+    """The DataError for a folder that cannot be made, or written to."""
+    reason = error.strerror or error
+    if isinstance(error, FileExistsError):
+        reason = "it is a file, not a folder"
+    return DataError(
+        f"{data_dir} cannot hold the Multi30k files ({reason}): name another folder "
+        f"with --data-dir DIR or ${DATA_ENV}."
+    )
+
+
 def download_multi30k(data_dir=None, *, base_url=MULTI30K_URL, quiet=False):
     """Fetch and verify the six Multi30k files into `data_dir` (the book's default
     folder when None); returns their paths. A file already there with the published
-    digest is kept; any other is downloaded again."""
+    digest is kept (a read-only folder that holds them all is fine); any other is
+    downloaded again, through torch.hub's download, which checks the digest before
+    the file takes its name.
+
+    Any failure is one DataError line that names the file; what was downloaded
+    halfway is removed, and so are the folders this call created if they hold
+    nothing (the files verified before the failure stay).
+    """
+    import shutil
+    import socket
+    import tempfile
+
     from torch.hub import download_url_to_file
 
+    base_url = checked_base_url(base_url)
     data_dir = Path(data_dir) if data_dir is not None else tat.default_data_dir()
-    data_dir.mkdir(parents=True, exist_ok=True)
+    created = [p for p in (data_dir, *data_dir.parents) if not p.exists()]
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise _cannot_hold(data_dir, error) from None
+    # Each file is fetched into a private folder beside the targets and moved into
+    # place once verified, so that no half-written file can be left among them,
+    # whatever fails (torch.hub removes its own temporary file on most failures,
+    # not all: a malformed address, say). A silent server ends the wait at last.
+    scratch, timeout = None, socket.getdefaulttimeout()
+    socket.setdefaulttimeout(60)
     paths = []
-    for name, expected in MULTI30K_SHA256.items():
-        target = data_dir / name
-        paths.append(target)
-        if target.is_file() and sha256_of(target) == expected:
+    try:
+        for name, expected in MULTI30K_SHA256.items():
+            target = data_dir / name
+            paths.append(target)
+            present = target.is_file()
+            if present and sha256_of(target) == expected:
+                if not quiet:
+                    print(f"{name}: present and verified")
+                continue
+            if scratch is None:
+                try:
+                    scratch = Path(tempfile.mkdtemp(prefix=".download-", dir=data_dir))
+                except OSError as error:
+                    raise _cannot_hold(data_dir, error) from None
+            try:
+                download_url_to_file(
+                    base_url + name, str(scratch / name), expected, progress=False
+                )
+            except (OSError, ValueError, RuntimeError, http.client.HTTPException) as e:
+                raise _download_failure(name, base_url, e) from None  # URLError too
+            (scratch / name).replace(target)
             if not quiet:
-                print(f"{name}: present and verified")
-            continue
-        try:  # a temporary file beside the target, moved into place once verified
-            download_url_to_file(base_url + name, str(target), expected, False)
-        except RuntimeError as error:  # torch.hub's message for a wrong digest
-            raise DataError(
-                f"{name}: the file downloaded from {base_url} is not the published "
-                f"one (its SHA-256 differs: {error}); nothing was saved. Try again "
-                f"later, or copy the files into {data_dir} by hand."
-            ) from None
-        except (OSError, http.client.HTTPException) as error:  # URLError is OSError
-            if hasattr(error, "code"):  # an HTTP error: the server answered, with no
-                reason = f"HTTP {error.code}: {error.reason}"  # file for us
-            else:  # no answer: the network, the name or the connection failed
-                reason = getattr(error, "reason", None) or error
-            raise DataError(
-                f"{name}: could not download it from {base_url} ({reason}). Check "
-                f"the connection, or name a folder that holds the files: --data-dir, "
-                f"${DATA_ENV}, or make's DATA_DIR."
-            ) from None
-        if not quiet:
-            print(f"{name}: downloaded and verified")
+                again = " again (the copy here had another SHA-256)" if present else ""
+                print(f"{name}: downloaded{again} and verified")
+    except BaseException:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        for folder in created:  # deepest first; a folder that holds files stays
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+    finally:
+        socket.setdefaulttimeout(timeout)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    if not quiet:
+        print(f"Multi30k is in {data_dir}")
     return paths
 
 
