@@ -170,19 +170,24 @@ def test_translate_with_no_sentences_and_empty_input_exits_2_saying_what_to_pass
     assert_one_line_error(result, "no sentences given")
 
 
+@pytest.mark.parametrize(
+    "bug",
+    [KeyError("a bug"), TypeError("unsupported operand")],
+    ids=["KeyError", "TypeError, no longer taken for a user error"],
+)
 def test_an_unexpected_failure_is_one_line_that_says_how_to_see_the_traceback(
-    monkeypatch, capsys
+    bug, monkeypatch, capsys
 ):
     def broken(args):
-        raise KeyError("a bug")
+        raise bug
 
     monkeypatch.setattr(cli, "_run_command", broken)
     assert cli.main(["figures"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "KeyError" in err[0]
-    assert "ANNOTATED_TRANSFORMER_DEBUG=1" in err[0]
+    assert len(err) == 1 and f"{type(bug).__name__}: " in err[0]
+    assert "ANNOTATED_TRANSFORMER_DEBUG=1" in err[0] and "report it" in err[0]
     monkeypatch.setenv("ANNOTATED_TRANSFORMER_DEBUG", "1")
-    with pytest.raises(KeyError):
+    with pytest.raises(type(bug)):
         cli.main(["figures"])
 
 
@@ -527,14 +532,19 @@ def test_attention_command_with_a_head_that_does_not_exist_returns_2(
 # reproduce
 
 
-def test_reproduce_command_reports_on_an_existing_run(reproduced, capsys):
+def reproduce_again(reproduced, name, *options):
+    """`reproduce --no-train` on the smoke run of `reproduced`, writing into a new
+    folder `name` beside it; returns (exit status, that folder)."""
     root, _ = reproduced
-    out = root / "again"
-    code = cli.main(
-        ["reproduce", "--profile", "smoke", "--out", str(root / "run"), "--no-train"]
-        + ["--results", str(out), "--images", str(out), "--limit", "10"]
-        + ["--alphas", "0.6", "--data-dir", str(tat.data_dir_from_env())]
-    )
+    out = root / name
+    argv = ["reproduce", "--profile", "smoke", "--out", str(root / "run"), "--no-train"]
+    argv += ["--results", str(out), "--images", str(out)]
+    argv += ["--data-dir", str(tat.data_dir_from_env()), *options]
+    return cli.main(argv), out
+
+
+def test_reproduce_command_reports_on_an_existing_run(reproduced, capsys):
+    code, out = reproduce_again(reproduced, "again", "--limit", "10", "--alphas", "0.6")
     assert code == 0
     assert (out / "smoke.md").is_file() and (out / "training_curve_smoke.png").is_file()
     assert "| `smoke` |" in capsys.readouterr().out
@@ -755,17 +765,6 @@ def test_a_write_that_fails_half_way_keeps_the_old_file_and_leaves_no_temporary(
     assert path.read_text() == "new" and names_in(tmp_path) == ["results.json"]
 
 
-def test_a_type_error_is_reported_as_a_bug_not_as_a_user_error(monkeypatch, capsys):
-    def broken(args):
-        raise TypeError("unsupported operand")
-
-    monkeypatch.setattr(cli, "_run_command", broken)
-    assert cli.main(["figures"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "TypeError: unsupported operand" in err[0]
-    assert "ANNOTATED_TRANSFORMER_DEBUG=1" in err[0] and "report it" in err[0]
-
-
 @pytest.mark.parametrize(
     "argv, saves",
     [
@@ -888,14 +887,8 @@ def test_each_spawned_cpu_process_gets_its_share_of_the_cores(monkeypatch, capsy
 
 
 def test_reproduce_names_the_averaging_windows_it_drops(reproduced, capsys):
-    root, _ = reproduced
-    out = root / "windows"
-    code = cli.main(
-        ["reproduce", "--profile", "smoke", "--out", str(root / "run"), "--no-train"]
-        + ["--results", str(out), "--images", str(out), "--limit", "5"]
-        + ["--average", "2,4,7", "--beam", "2", "--alphas", "0.6"]
-        + ["--data-dir", str(tat.data_dir_from_env())]
-    )
+    options = ["--limit", "5", "--average", "2,4,7", "--beam", "2", "--alphas", "0.6"]
+    code, _ = reproduce_again(reproduced, "windows", *options)
     assert code == 0
     err = capsys.readouterr().err.strip().splitlines()
     warnings = [line for line in err if line.startswith("warning:")]
