@@ -24,7 +24,7 @@ import torch
 
 # The repository root is on sys.path through pyproject.toml's `pythonpath = ["."]`.
 import the_annotated_transformer as tat
-from workshop import multi30k, results, runs
+from workshop import checkpoints, multi30k, results, settings, training, translation
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,7 +47,8 @@ EXPECT_CAPABILITY_ENV = "EXPECT_CPU_CAPABILITY"
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in NUMERICAL_MODULES:
+        first_pass_only = item.get_closest_marker("first_pass_only")
+        if item.path.name in NUMERICAL_MODULES and not first_pass_only:
             item.add_marker(pytest.mark.numerical)
 
 
@@ -344,19 +345,33 @@ def multi30k_server(multi30k_dir, tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------
+# The copy task, trained once a session
+
+
+@functools.cache
+def trained_copy_task(seed):
+    """(model, history, config): the copy task trained with its default settings
+    from `seed`. Part 2's tests check that it copies; Part 4's decoding tests search
+    with it."""
+    config = tat.CopyTaskConfig(seed=seed)
+    model, history = tat.train_copy_task(config, quiet=True, device="cpu")
+    return model.eval(), history, config
+
+
+# ---------------------------------------------------------------------------
 # Training runs and their checkpoints
 
 
 def smoke_config(**overrides):
     """The smoke profile on 300 pairs, small batches, two epochs."""
-    settings = dict(max_train_pairs=300, epochs=2, max_tokens=300, keep_checkpoints=1)
-    return runs.RunConfig.from_profile("smoke", **{**settings, **overrides})
+    changes = dict(max_train_pairs=300, epochs=2, max_tokens=300, keep_checkpoints=1)
+    return settings.RunConfig.from_profile("smoke", **{**changes, **overrides})
 
 
 def train_run(config, multi30k_dir, tmp_path_factory, name):
     """Train `config` quietly into a fresh folder; returns (out, history)."""
     out = tmp_path_factory.mktemp(name)
-    history = runs.train_model(config, multi30k_dir, out, quiet=True)
+    history = training.train_model(config, multi30k_dir, out, quiet=True)
     return SimpleNamespace(out=out, history=history)
 
 
@@ -366,11 +381,10 @@ def smoke_run(multi30k_dir, tmp_path_factory):
     return train_run(smoke_config(), multi30k_dir, tmp_path_factory, "smoke_run")
 
 
-# tests/test_part5_results.py and tests/test_workshop_results.py override this one
-# with their own `translator`, loaded from trained_checkpoint.
+# tests/test_part5_results.py overrides this one with the book's attention.
 @pytest.fixture(scope="module")
 def translator(smoke_run):
-    return runs.load_translator(smoke_run.out / "last.pt", device="cpu")
+    return translation.load_translator(smoke_run.out / "last.pt", device="cpu")
 
 
 WORDS = ["a", "dog", "runs", "."]
@@ -378,7 +392,7 @@ WORDS = ["a", "dog", "runs", "."]
 
 def tiny_checkpoint(path, seed, epoch=0, words=WORDS, **overrides):
     """Save a random smoke-sized model in the format of training's epoch_NNN.pt."""
-    config = runs.RunConfig.from_profile("smoke", **overrides)
+    config = settings.RunConfig.from_profile("smoke", **overrides)
     vocab = list(tat.SPECIALS) + list(words)
     torch.manual_seed(seed)
     model = tat.make_model(
@@ -391,23 +405,20 @@ def tiny_checkpoint(path, seed, epoch=0, words=WORDS, **overrides):
         norm_first=config.norm_first,
     )
     state = {
-        "model": runs.without_positional_tables(model.state_dict()),
+        "model": checkpoints.without_positional_tables(model.state_dict()),
         "config": config.to_dict(),
         "epoch": epoch,
         "vocab_src": vocab,
         "vocab_tgt": vocab,
     }
-    runs.save_checkpoint(path, state)
+    checkpoints.save_checkpoint(path, state)
     return state
 
 
 @pytest.fixture(scope="session")
-def trained_checkpoint(multi30k_dir, tmp_path_factory):
-    """last.pt of a one-epoch smoke-profile run on 300 training pairs."""
-    out = tmp_path_factory.mktemp("smoke")
-    config = runs.RunConfig.from_profile("smoke", max_train_pairs=300)
-    runs.train_model(config, multi30k_dir, out, quiet=True)
-    return out / "last.pt"
+def trained_checkpoint(smoke_run):
+    """last.pt of the smoke run: what the commands and the results tests load."""
+    return smoke_run.out / "last.pt"
 
 
 def free_port():

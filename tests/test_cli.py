@@ -7,11 +7,13 @@ it they are skipped on a laptop, but fail in CI (CI=true). The figures command's
 drawings are checked in tests/test_workshop_figures.py.
 """
 
+import io
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,12 +29,40 @@ from conftest import (
 )
 
 import the_annotated_transformer as tat
-from workshop import cli, multi30k, results, runs
+from workshop import (
+    checkpoints,
+    cli,
+    multi30k,
+    processes,
+    results,
+    run_folders,
+    settings,
+    training,
+    translation,
+)
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BOOK = REPO_ROOT / "the_annotated_transformer.py"
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """`python -m workshop ARGS` run by its main in this process: returns the exit
+    status and what it printed, as a finished subprocess would."""
+
+    def run(*args):
+        try:
+            status = cli.main(list(args))
+        except SystemExit as exit:  # argparse's own exits: errors and --help
+            status = exit.code
+        printed = capsys.readouterr()
+        return SimpleNamespace(
+            returncode=status, stdout=printed.out, stderr=printed.err
+        )
+
+    return run
 
 
 def run_script(*args, timeout=120):
@@ -86,27 +116,29 @@ def assert_one_line_error(result, *expected):
         (["reproduce", "--beam", "0"], "--beam"),
     ],
 )
-def test_a_count_below_one_exits_2_with_one_line_naming_the_option(argv, option):
-    assert_one_line_error(run_script(*argv), option, "at least 1")
+def test_a_count_below_one_exits_2_with_one_line_naming_the_option(
+    argv, option, run_cli
+):
+    assert_one_line_error(run_cli(*argv), option, "at least 1")
 
 
 def test_more_processes_than_this_machine_has_exits_2_saying_how_many_it_has(
-    tmp_path,
+    tmp_path, run_cli
 ):
     argv = ["train", "--data-dir", str(tmp_path), "--out", str(tmp_path / "run")]
-    result = run_script(*argv, "--nprocs", "100000")
+    result = run_cli(*argv, "--nprocs", "100000")
     assert_one_line_error(result, "--nprocs 100000", "at most")
     assert not (tmp_path / "run").exists()
 
 
 def tiny_checkpoint_state():
     """A checkpoint as `train` writes it, of a tiny untrained model (no data)."""
-    config = runs.RunConfig.from_profile("smoke")
+    config = settings.RunConfig.from_profile("smoke")
     itos = [*tat.SPECIALS, "ein", "hund", "a", "dog"]
     torch.manual_seed(0)
     model = config.make_model(len(itos), len(itos))
     return {
-        "model": runs.without_positional_tables(model.state_dict()),
+        "model": checkpoints.without_positional_tables(model.state_dict()),
         "config": config.to_dict(),
         "vocab_src": itos,
         "vocab_tgt": itos,
@@ -114,11 +146,11 @@ def tiny_checkpoint_state():
     }
 
 
-def test_translate_with_a_checkpoint_of_the_right_form_prints_a_line(tmp_path):
+def test_translate_with_a_checkpoint_of_the_right_form_prints_a_line(tmp_path, run_cli):
     """The control for the damaged checkpoints below: the intact one translates."""
     path = tmp_path / "tiny.pt"
     torch.save(tiny_checkpoint_state(), path)
-    result = run_script("translate", "--checkpoint", str(path), "ein hund")
+    result = run_cli("translate", "--checkpoint", str(path), "ein hund")
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.splitlines()) == 1
 
@@ -143,31 +175,26 @@ def wrong_shape(checkpoint):
     ],
 )
 def test_translate_with_a_damaged_checkpoint_exits_2_with_one_line_naming_it(
-    damage, expected, tmp_path
+    damage, expected, tmp_path, run_cli
 ):
     path = tmp_path / "damaged.pt"
     if damage is None:
         path.write_text("these are not the weights you are looking for")
     else:
         torch.save(damage(tiny_checkpoint_state()), path)
-    result = run_script("translate", "--checkpoint", str(path), "ein hund")
+    result = run_cli("translate", "--checkpoint", str(path), "ein hund")
     assert_one_line_error(result, "damaged.pt", expected)
 
 
 def test_translate_with_no_sentences_and_empty_input_exits_2_saying_what_to_pass(
-    tmp_path,
+    tmp_path, monkeypatch, run_cli
 ):
     path = tmp_path / "tiny.pt"
     torch.save(tiny_checkpoint_state(), path)
-    result = subprocess.run(
-        [sys.executable, "-m", "workshop", "translate", "--checkpoint", str(path)],
-        cwd=REPO_ROOT,
-        input="\n  \n",
-        capture_output=True,
-        text=True,
-        timeout=120,
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n  \n"))
+    assert_one_line_error(
+        run_cli("translate", "--checkpoint", str(path)), "no sentences given"
     )
-    assert_one_line_error(result, "no sentences given")
 
 
 @pytest.mark.parametrize(
@@ -191,8 +218,8 @@ def test_an_unexpected_failure_is_one_line_that_says_how_to_see_the_traceback(
         cli.main(["figures"])
 
 
-def test_help_lists_the_copy_and_figures_commands():
-    result = run_script("--help")
+def test_help_lists_the_copy_and_figures_commands(run_cli):
+    result = run_cli("--help")
     assert result.returncode == 0
     assert "copy" in result.stdout and "figures" in result.stdout
 
@@ -273,10 +300,10 @@ def test_translate_command_names_a_sentence_longer_than_the_models_positions(
         h=config.h,
         max_len=30,
     )
-    runs.load_weights(
-        short, runs.without_positional_tables(translator.model.state_dict())
+    checkpoints.load_weights(
+        short, checkpoints.without_positional_tables(translator.model.state_dict())
     )
-    limited = runs.Translator(
+    limited = translation.Translator(
         short.eval(), translator.vocab_src, translator.vocab_tgt, config
     )
     monkeypatch.setattr(cli, "load_translator", lambda path, device=None: limited)
@@ -327,7 +354,7 @@ def test_train_command_trains_the_smoke_profile_and_saves_a_checkpoint(
     argv = ["train", "--data-dir", str(multi30k_dir), "--out", str(tmp_path)]
     argv += ["--profile", "smoke", "--epochs", "1", "--max-tokens", "800", "--quiet"]
     assert cli.main(argv) == 0
-    last = runs.load_checkpoint(tmp_path / "last.pt")
+    last = checkpoints.load_checkpoint(tmp_path / "last.pt")
     assert last["config"]["profile"] == "smoke"
     assert (last["config"]["epochs"], last["config"]["max_tokens"]) == (1, 800)
     assert [r["epoch"] for r in last["history"]] == [1]
@@ -392,11 +419,11 @@ def test_resume_takes_the_runs_settings_and_extends_only_its_epochs(
     assert cli.main(train_argv(multi30k_dir, run, "--resume", "--epochs", "3")) == 0
     printed = capsys.readouterr().out
     assert f"resuming {run / 'last.pt'} (profile smoke): 2 of 3 epochs done" in printed
-    last = runs.load_checkpoint(run / "last.pt")
+    last = checkpoints.load_checkpoint(run / "last.pt")
     assert last["config"] == smoke_config(epochs=3).to_dict()  # not quick's settings
     assert [r["epoch"] for r in last["history"]] == [1, 2, 3]
     assert last["history"][:2] == smoke_run.history
-    assert runs.epoch_files(run) == [run / "epoch_003.pt"]  # keep_checkpoints=1
+    assert run_folders.epoch_files(run) == [run / "epoch_003.pt"]  # keep_checkpoints=1
 
 
 @pytest.mark.parametrize(
@@ -424,14 +451,16 @@ def test_resume_counts_the_time_limit_from_the_time_the_run_has_spent(
     multi30k_dir, tmp_path, capsys
 ):
     config = smoke_config(epochs=1, time_limit=60.0)  # an hour: epoch 1 fits
-    runs.train_model(config, multi30k_dir, tmp_path, quiet=True)
-    last = runs.load_checkpoint(tmp_path / "last.pt")
+    training.train_model(config, multi30k_dir, tmp_path, quiet=True)
+    last = checkpoints.load_checkpoint(tmp_path / "last.pt")
     assert 0 < last["elapsed"] < 600  # measured: seconds, not an hour
-    runs.save_checkpoint(tmp_path / "last.pt", last | {"elapsed": 3600.0})  # spent
+    checkpoints.save_checkpoint(
+        tmp_path / "last.pt", last | {"elapsed": 3600.0}
+    )  # spent
     argv = train_argv(multi30k_dir, tmp_path, "--resume", "--epochs", "2")
     assert cli.main(argv) == 0
     assert "stopped after 1 of the 2 epochs" in capsys.readouterr().out
-    again = runs.load_checkpoint(tmp_path / "last.pt")
+    again = checkpoints.load_checkpoint(tmp_path / "last.pt")
     assert again["epoch"] == 0 and "stopped" in again["stopped"]
 
 
@@ -445,7 +474,9 @@ def test_average_command_writes_the_averaged_checkpoint_and_returns_0(tmp_path, 
     argv = ["average", str(tmp_path / "a.pt"), str(tmp_path / "b.pt")]
     assert cli.main([*argv, "--out", str(tmp_path / "m.pt")]) == 0
     assert "averaged 2 checkpoints" in capsys.readouterr().out
-    assert set(runs.load_checkpoint(tmp_path / "m.pt")) >= set(runs.CHECKPOINT_KEYS)
+    assert set(checkpoints.load_checkpoint(tmp_path / "m.pt")) >= set(
+        checkpoints.CHECKPOINT_KEYS
+    )
 
 
 def test_average_command_returns_2_naming_a_missing_or_mismatched_checkpoint(
@@ -605,10 +636,10 @@ def test_reproduce_command_on_an_ascii_console_still_prints_the_row(reproduced):
 
 
 def test_download_command_from_a_given_address_exits_0_with_the_six_files(
-    multi30k_server, tmp_path
+    multi30k_server, tmp_path, run_cli
 ):
     target = tmp_path / "data"
-    result = run_script(
+    result = run_cli(
         "download", "--data-dir", str(target), "--base-url", multi30k_server.url
     )
     assert result.returncode == 0, result.stderr
@@ -616,27 +647,29 @@ def test_download_command_from_a_given_address_exits_0_with_the_six_files(
 
 
 def test_download_command_without_network_exits_2_in_one_line_and_keeps_nothing(
-    tmp_path,
+    tmp_path, run_cli
 ):
     closed = f"http://127.0.0.1:{free_port()}/"  # nothing listens: as if offline
     target = tmp_path / "data"
-    result = run_script("download", "--data-dir", str(target), "--base-url", closed)
+    result = run_cli("download", "--data-dir", str(target), "--base-url", closed)
     assert_one_line_error(result, "train.de.gz", "could not download", "--data-dir")
     assert f"${tat.DATA_ENV}" in result.stderr
     assert not target.exists()  # nothing partial, not even the folder it made
 
 
 @pytest.mark.parametrize("base_url", ["notaurl", "ftp://example.org/multi30k/"])
-def test_download_command_from_no_address_exits_2_in_one_line(base_url, tmp_path):
+def test_download_command_from_no_address_exits_2_in_one_line(
+    base_url, tmp_path, run_cli
+):
     target = tmp_path / "data"
-    result = run_script("download", "--data-dir", str(target), "--base-url", base_url)
+    result = run_cli("download", "--data-dir", str(target), "--base-url", base_url)
     assert_one_line_error(result, repr(base_url), "http://, https:// or file://")
     assert not target.exists()
 
 
-def test_download_command_into_a_file_exits_2_in_one_line(tmp_path):
+def test_download_command_into_a_file_exits_2_in_one_line(tmp_path, run_cli):
     (tmp_path / "afile").write_text("mine")
-    result = run_script("download", "--data-dir", str(tmp_path / "afile"))
+    result = run_cli("download", "--data-dir", str(tmp_path / "afile"))
     assert_one_line_error(result, "afile", "not a folder", "--data-dir DIR")
     assert (tmp_path / "afile").read_text() == "mine"
 
@@ -827,7 +860,7 @@ def test_translate_piped_into_a_reader_that_left_ends_without_an_error(smoke_run
 @pytest.mark.parametrize("keep", [0, -1])
 def test_keep_checkpoints_below_one_is_refused_in_one_line(keep):
     with pytest.raises(ValueError, match="keep_checkpoints") as error:
-        runs.RunConfig.from_profile("smoke", keep_checkpoints=keep).validate()
+        settings.RunConfig.from_profile("smoke", keep_checkpoints=keep).validate()
     assert "\n" not in str(error.value) and repr(keep) in str(error.value)
 
 
@@ -840,8 +873,8 @@ def test_train_with_processes_checks_the_data_before_spawning_them(
         raise AssertionError("spawned before the data was checked")
 
     monkeypatch.setattr(mp, "spawn", spawn)
-    monkeypatch.setattr(runs.os, "cpu_count", lambda: 4)
-    monkeypatch.setattr(runs.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(processes.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(processes.torch.cuda, "is_available", lambda: False)
     argv = ["train", "--data-dir", str(tmp_path / "no_data"), "--out", str(tmp_path)]
     assert cli.main([*argv, "--nprocs", "2", "--profile", "smoke"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -860,30 +893,32 @@ def test_train_with_processes_builds_the_vocabularies_once_for_every_rank(
         raise KeyboardInterrupt  # stop here: what matters is what they are handed
 
     monkeypatch.setattr(mp, "spawn", spawn)
-    monkeypatch.setattr(runs.os, "cpu_count", lambda: 4)
-    monkeypatch.setattr(runs.torch.cuda, "is_available", lambda: False)
-    config = runs.RunConfig.from_profile("smoke", max_train_pairs=200)
+    monkeypatch.setattr(processes.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(processes.torch.cuda, "is_available", lambda: False)
+    config = settings.RunConfig.from_profile("smoke", max_train_pairs=200)
     with pytest.raises(KeyboardInterrupt):
-        runs.train_model(config, multi30k_dir, tmp_path / "run", nprocs=2, quiet=True)
-    vocab_src, vocab_tgt = spawned["args"][-1]
+        training.train_model(
+            config, multi30k_dir, tmp_path / "run", nprocs=2, quiet=True
+        )
+    worker, world_size, (job,) = spawned["args"]
+    assert worker is training.train_worker and world_size == 2
+    vocab_src, vocab_tgt = job.vocabs
     assert spawned["nprocs"] == 2 and len(vocab_src) > 4 and len(vocab_tgt) > 4
 
 
-def test_each_spawned_cpu_process_gets_its_share_of_the_cores(monkeypatch, capsys):
-    seen = []
+def test_each_spawned_cpu_process_gets_its_share_of_the_cores(monkeypatch):
     before = torch.get_num_threads()
-    monkeypatch.setattr(runs.os, "cpu_count", lambda: 4)
-    monkeypatch.setattr(runs.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(
-        runs, "train_worker", lambda *a, **k: seen.append(torch.get_num_threads())
-    )
+    monkeypatch.setattr(processes.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(processes.torch.cuda, "is_available", lambda: False)
+
+    def worker(rank, world_size, *args):
+        return rank, world_size, args, torch.get_num_threads()
+
     try:
-        runs._spawned_worker(0, 2, None, "data", "out", False, False, None)
-        runs._spawned_worker(1, 2, None, "data", "out", False, False, None)
+        seen = [processes.start_process(rank, worker, 2, ("job",)) for rank in (0, 1)]
     finally:
         torch.set_num_threads(before)
-    assert seen == [2, 2]
-    assert capsys.readouterr().out.count("thread(s) each") == 1
+    assert seen == [(0, 2, ("job",), 2), (1, 2, ("job",), 2)]
 
 
 def test_reproduce_names_the_averaging_windows_it_drops(reproduced, capsys):

@@ -288,8 +288,9 @@ def test_explicit_path_stores_weights_in_attn_and_fused_path_leaves_it_none(mha)
     mha(query, key, value)
     assert mha.attn.shape == (2, 4, 4, 6)  # (batch, heads, q_len, k_len)
     torch.testing.assert_close(mha.attn.sum(-1), torch.ones(2, 4, 4))
-    fast.use_fused_attention(mha)(query, key, value)
-    assert mha.attn is None
+    fused = fast.use_fused_attention(mha)
+    fused(query, key, value)
+    assert fused.attn is None
 
 
 def test_model_can_be_deep_copied_after_a_forward_pass_that_kept_attention():
@@ -304,13 +305,23 @@ def test_model_can_be_deep_copied_after_a_forward_pass_that_kept_attention():
     )
 
 
+def attention_layers(model):
+    return [m for m in model.modules() if isinstance(m, tat.MultiHeadedAttention)]
+
+
 def test_use_fused_attention_switches_every_attention_layer_of_a_model():
-    model = small_model()
-    layers = [m for m in model.modules() if isinstance(m, tat.MultiHeadedAttention)]
-    assert len(layers) == 3 * SMALL["N"]
-    assert not any(isinstance(layer, fast.FusedAttention) for layer in layers)
-    fast.use_fused_attention(model)
-    assert all(isinstance(layer, fast.FusedAttention) for layer in layers)
+    model = small_model().train()
+    assert [type(m) for m in attention_layers(model)] == [tat.MultiHeadedAttention] * (
+        3 * SMALL["N"]
+    )
+    parameters = list(model.parameters())
+    assert fast.use_fused_attention(model) is model
+    assert [type(m) for m in attention_layers(model)] == [fast.FusedAttention] * (
+        3 * SMALL["N"]
+    )
+    # The same weights and dropout, not copies: training the model trains them.
+    assert all(a is b for a, b in zip(model.parameters(), parameters, strict=True))
+    assert all(m.training for m in model.modules())
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)

@@ -8,11 +8,11 @@ smoothing, the copy task's data, greedy decoding, and the copy task end to end.
 import copy
 import inspect
 import math
-import time
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import trained_copy_task
 from torch import nn
 
 import the_annotated_transformer as tat
@@ -762,19 +762,21 @@ def test_greedy_decode_keeps_the_original_positional_signature():
 # ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=[0, 1, 2], ids=lambda seed: f"seed {seed}")
+@pytest.fixture(
+    scope="module",
+    params=[1, pytest.param(2, marks=pytest.mark.first_pass_only)],
+    ids=lambda seed: f"seed {seed}",
+)
 def trained_copy_model(request):
-    """The copy task trained with its default settings, from three seeds.
+    """The copy task trained with its default settings, from seeds 1 and 2.
 
     Exactness must not hang on one lucky seed: the schedule cools the rate to zero, so
-    every seed ends in a settled model (`make bench` checks seeds 0-9).
+    every seed ends in a settled model. Seed 0 is the book's script, which
+    tests/test_cli.py runs (and `make bench` checks seeds 0-9). The second pass of
+    `make test`, on other kernels, trains seed 1 alone: which kernels run does not
+    depend on the seed.
     """
-    config = tat.CopyTaskConfig(seed=request.param)
-    start = time.perf_counter()
-    model, history = tat.train_copy_task(config, quiet=True, device="cpu")
-    seconds = time.perf_counter() - start
-    print(f"\ncopy task trained in {seconds:.1f} s")
-    return model, history, config
+    return trained_copy_task(request.param)
 
 
 def test_copy_task_decodes_held_out_sequences_exactly(trained_copy_model):

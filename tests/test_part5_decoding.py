@@ -1,21 +1,20 @@
 """Part 4: incremental decoding with a key/value cache, and beam search: the book's
-search one sentence at a time, and the workshop's (workshop/fast.py) for a batch."""
+search one sentence at a time, and the workshop's for a batch (workshop.translation)."""
 
 import pytest
 import torch
+from conftest import trained_copy_task
 
 import the_annotated_transformer as tat
-from workshop import fast
+from workshop import translation
 
 START, PAD = tat.COPY_START, tat.COPY_PAD
 
 
 @pytest.fixture(scope="module")
 def copy_model():
-    """A copy-task model trained briefly (enough to copy most sequences)."""
-    config = tat.CopyTaskConfig(epochs=8)
-    model, _ = tat.train_copy_task(config, quiet=True, device="cpu")
-    return model.eval()
+    """The copy-task model of seed 1, as Part 2's tests trained it."""
+    return trained_copy_task(1)[0]
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +123,8 @@ def test_cached_and_uncached_beam_search_give_the_same_hypotheses_and_scores(cas
     model, src, src_mask, start, end = case
     end = 1 if end is None else end
     kwargs = dict(beam_size=4, pad_symbol=PAD, n_best=4)
-    cached = fast.beam_search(model, src, src_mask, 10, start, end, **kwargs)
-    plain = fast.beam_search(
+    cached = translation.beam_search(model, src, src_mask, 10, start, end, **kwargs)
+    plain = translation.beam_search(
         model, src, src_mask, 10, start, end, use_cache=False, **kwargs
     )
     # A score sums at most 9 step log-probabilities (each within the step tolerance)
@@ -148,13 +147,13 @@ def test_beam_search_on_a_padded_batch_gives_each_sentence_what_it_gets_alone(
         src[row, 0] = START
         src[row, 1:n] = torch.randint(2, 11, (n - 1,), generator=rng)
     kwargs = dict(beam_size=3, pad_symbol=PAD, n_best=3)
-    batched = fast.beam_search(
+    batched = translation.beam_search(
         copy_model, src, (src != PAD).unsqueeze(-2), 12, START, 1, **kwargs
     )
     for row, n in enumerate(lengths):
         alone_src = src[row : row + 1, :n]
         alone_mask = (alone_src != PAD).unsqueeze(-2)
-        (alone,) = fast.beam_search(
+        (alone,) = translation.beam_search(
             copy_model, alone_src, alone_mask, 12, START, 1, **kwargs
         )
         ys = tat.greedy_decode(copy_model, alone_src, alone_mask, 12, START)
@@ -208,7 +207,7 @@ def test_the_books_beam_search_finds_what_the_batched_one_finds(copy_model, beam
     src, src_mask = batch_of_sources([10, 6, 3, 8])
     kwargs = dict(beam_size=beam_size, pad_symbol=PAD)
     book = tat.beam_search(copy_model, src, src_mask, 12, START, 1, **kwargs)
-    batched = fast.beam_search(copy_model, src, src_mask, 12, START, 1, **kwargs)
+    batched = translation.beam_search(copy_model, src, src_mask, 12, START, 1, **kwargs)
     # Both search the same hypotheses; only the decoder's batch shapes differ, so
     # a score differs by rounding alone. The best hypotheses of these sources are
     # far apart (the padded-batch test above checks the gaps), so the ids agree.

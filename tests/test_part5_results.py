@@ -16,7 +16,7 @@ from conftest import HANDMADE_PAIRS, SENTENCE, EchoTranslator, point_data_at
 from torch import nn
 
 import the_annotated_transformer as tat
-from workshop import runs
+from workshop import translation
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -25,12 +25,11 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 # Shared setup
 
 
-# conftest's `translator` comes from the two-epoch smoke_run; these tests use the
-# one-epoch trained_checkpoint, as tests/test_workshop_results.py does, with the
-# book's own attention (fused=False), which keeps its weights for the maps.
+# conftest's `translator`, with the book's own attention (fused=False), which keeps
+# its weights for the maps.
 @pytest.fixture(scope="module")
 def translator(trained_checkpoint):
-    return runs.load_translator(trained_checkpoint, device="cpu", fused=False)
+    return translation.load_translator(trained_checkpoint, device="cpu", fused=False)
 
 
 def small_model(seed):
@@ -245,7 +244,7 @@ def test_attention_maps_need_the_books_attention_which_keeps_its_weights(
         for m in translator.model.modules()
         if isinstance(m, tat.MultiHeadedAttention)
     )
-    fused = runs.load_translator(trained_checkpoint, device="cpu")
+    fused = translation.load_translator(trained_checkpoint, device="cpu")
     with torch.no_grad():
         fused.translate(SENTENCE)
     assert all(

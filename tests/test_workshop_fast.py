@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import the_annotated_transformer as tat
-from workshop import fast, runs
+from workshop import fast, settings, training
 
 SMALL = {"N": 2, "d_model": 32, "d_ff": 64, "h": 4}
 
@@ -78,11 +78,11 @@ def test_use_fast_dropout_swaps_every_dropout_of_a_book_model_keeping_its_p(p):
 
 
 def test_a_runs_model_is_the_books_model_with_fast_dropout_and_fused_attention():
-    config = runs.RunConfig.from_profile("smoke", dropout=0.2)
+    config = settings.RunConfig.from_profile("smoke", dropout=0.2)
     torch.manual_seed(0)
     book = config.make_model(11, 13)
     torch.manual_seed(0)
-    run = runs.make_run_model(config, 11, 13)
+    run = training.make_run_model(config, 11, 13)
     assert {type(m) for m in dropouts(run)} == {fast.Dropout}
     assert all(m.p == 0.2 for m in dropouts(run))
     book_state, run_state = book.state_dict(), run.state_dict()

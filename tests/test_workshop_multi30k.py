@@ -14,7 +14,7 @@ import pytest
 from conftest import free_port, names_in, write_lines_gz
 
 import the_annotated_transformer as tat
-from workshop import multi30k, runs
+from workshop import multi30k, settings, training
 from workshop.multi30k import DataError
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -296,9 +296,9 @@ def test_a_run_checks_the_digests_before_reading_the_data(multi30k_dir, tmp_path
     recompressed(multi30k_dir / "train.de.gz", tmp_path / "train.de.gz")
     for name in ("train.en.gz", "val.de.gz", "val.en.gz"):
         shutil.copyfile(multi30k_dir / name, tmp_path / name)
-    config = runs.RunConfig.from_profile("smoke")
+    config = settings.RunConfig.from_profile("smoke")
     with pytest.raises(DataError, match=r"train\.de\.gz .*SHA-256"):
-        runs.prepare_run_data(config, tmp_path)
+        training.prepare_run_data(config, tmp_path)
 
 
 @READERS

@@ -11,23 +11,10 @@ import pytest
 from conftest import HANDMADE_PAIRS, PNG_SIGNATURE, EchoTranslator, write_split
 
 import the_annotated_transformer as tat
-from workshop import fast, results, runs
+from workshop import checkpoints, results, translation
 from workshop.multi30k import DataError
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
-
-
-# ---------------------------------------------------------------------------
-# Shared setup
-
-
-# conftest's `translator` comes from the two-epoch smoke_run; these tests use the
-# one-epoch trained_checkpoint, as tests/test_part5_results.py does.
-
-
-@pytest.fixture(scope="module")
-def translator(trained_checkpoint):
-    return runs.load_translator(trained_checkpoint, device="cpu")
 
 
 # ---------------------------------------------------------------------------
@@ -47,7 +34,7 @@ def test_evaluate_scores_exactly_what_translate_returned_in_order(tmp_path, caps
     }
     echo = EchoTranslator(answers)
     result = results.evaluate(echo, tmp_path, "handmade", beam_size=3, batch_size=2)
-    beam_3 = {"decode": fast.beam_search, "beam_size": 3, "alpha": 0.6}
+    beam_3 = {"decode": translation.beam_search, "beam_size": 3, "alpha": 0.6}
     assert echo.calls == [([de for de, _ in HANDMADE_PAIRS], 2, beam_3)]
     hypotheses = [answers[de] for de, _ in HANDMADE_PAIRS]
     references = [en for _, en in HANDMADE_PAIRS]
@@ -117,13 +104,13 @@ def test_evaluate_with_beam_size_2_decodes_with_beam_search(
 ):
     folder, pairs = mini_split
     calls = []
-    beam_search = fast.beam_search
+    beam_search = translation.beam_search
 
     def counting_beam_search(*args, **kwargs):
         calls.append(kwargs.get("beam_size"))
         return beam_search(*args, **kwargs)
 
-    monkeypatch.setattr(fast, "beam_search", counting_beam_search)
+    monkeypatch.setattr(translation, "beam_search", counting_beam_search)
     result = results.evaluate(translator, folder, "mini", beam_size=2, quiet=True)
     assert calls and set(calls) == {2}
     assert result["n"] == len(pairs) and result["beam_size"] == 2
@@ -133,7 +120,7 @@ def test_evaluate_with_beam_size_2_decodes_with_beam_search(
     expected = sacrebleu.corpus_bleu(result["hypotheses"], references).score
     assert result["bleu"] == pytest.approx(expected)
     assert result["hypotheses"] == translator.translate(
-        [de for de, _ in pairs], **runs.decoding(2)
+        [de for de, _ in pairs], **translation.decode_options(2)
     )
 
 
@@ -161,7 +148,7 @@ def test_reproduce_trains_averages_and_chooses_on_validation_only(reproduced):
     assert beam["alpha"] == record["alpha"]
     assert "tok:13a" in greedy["signature"]
     assert record["epochs_planned"] == 2 and record["stopped_by_time_limit"] is None
-    rebuilt = runs.load_translator(root / "run" / "epoch_002.pt")
+    rebuilt = translation.load_translator(root / "run" / "epoch_002.pt")
     assert record["parameters"] == tat.count_parameters(rebuilt.model)
     assert record["train_seconds"] >= sum(r["seconds"] for r in record["history"])
 
@@ -253,5 +240,5 @@ def test_reproduce_ignores_epoch_files_past_the_runs_last_epoch(
     shutil.copytree(root / "run", run)
     shutil.copyfile(run / "epoch_001.pt", run / "epoch_020.pt")  # a stray old file
     results.reproduce("smoke", multi30k_dir, run, None, train=False, limit=5)
-    averaged = runs.load_checkpoint(run / "average_last_2.pt")["averaged_from"]
+    averaged = checkpoints.load_checkpoint(run / "average_last_2.pt")["averaged_from"]
     assert [Path(p).name for p in averaged] == ["epoch_001.pt", "epoch_002.pt"]

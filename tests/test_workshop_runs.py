@@ -1,4 +1,7 @@
-"""workshop.runs: training runs, their settings, checkpoints and vocabulary files.
+"""Training runs (workshop.training) and what they are made of: settings and profiles
+(workshop.settings), checkpoint and vocabulary files (workshop.checkpoints), run
+folders (workshop.run_folders), bf16 (workshop.precision) and several processes
+(workshop.processes).
 
 Profiles and settings (word and subword vocabularies), a run's data, checkpoints and
 resuming (state dicts without the positional tables), time limits, averaging
@@ -33,7 +36,15 @@ from conftest import (
 )
 
 import the_annotated_transformer as tat
-from workshop import runs
+from workshop import (
+    checkpoints,
+    precision,
+    processes,
+    run_folders,
+    settings,
+    training,
+    translation,
+)
 from workshop.multi30k import DataError
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -49,9 +60,9 @@ MARKERS = ("Ġ", "▁", "<s>", "</s>", "<blank>", "<unk>")
 def test_vocab_round_trips_through_a_json_file(tmp_path):
     vocab = tat.Vocab.build([["Männer", "Ufer", "Männer", "Ufer", "."]] * 2)
     path = tmp_path / "vocab.json"
-    runs.save_vocab(vocab, path)
+    checkpoints.save_vocab(vocab, path)
     assert json.loads(path.read_text(encoding="utf-8")) == {"itos": vocab.itos}
-    loaded = runs.load_vocab(path)
+    loaded = checkpoints.load_vocab(path)
     assert loaded.get_itos() == vocab.get_itos()
     assert loaded.get_stoi() == vocab.get_stoi()
     assert names_in(tmp_path) == ["vocab.json"]  # no temporary file left
@@ -70,24 +81,24 @@ def test_loading_a_file_that_is_not_a_saved_vocab_raises_data_error(tmp_path, te
     path = tmp_path / "vocab.json"
     path.write_text(text, encoding="utf-8")
     with pytest.raises(DataError, match="vocab.json"):
-        runs.load_vocab(path)
+        checkpoints.load_vocab(path)
 
 
 def test_loading_a_missing_vocab_file_raises_data_error(tmp_path):
     with pytest.raises(DataError, match="nowhere.json"):
-        runs.load_vocab(tmp_path / "nowhere.json")
+        checkpoints.load_vocab(tmp_path / "nowhere.json")
 
 
 def test_subword_vocab_round_trips_through_a_json_file(bpe, tmp_path):
     path = tmp_path / "bpe.json"
-    runs.save_vocab(bpe, path)
+    checkpoints.save_vocab(bpe, path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bpe.json"]  # no temp file
-    loaded = runs.load_vocab(path)
+    loaded = checkpoints.load_vocab(path)
     assert loaded.tokenizer.to_str() == bpe.tokenizer.to_str()
     assert loaded.get_itos() == bpe.get_itos()
     text = "Zwei Männer stehen am Ufer."
     assert loaded.encode(text) == bpe.encode(text)
-    assert runs.subword_vocab_from_json(bpe.tokenizer.to_str()).encode(
+    assert checkpoints.subword_vocab_from_json(bpe.tokenizer.to_str()).encode(
         text
     ) == bpe.encode(text)
 
@@ -99,9 +110,9 @@ def test_loading_a_file_that_is_not_a_saved_subword_vocab_raises_data_error(
     path = tmp_path / "bpe.json"
     path.write_text(text, encoding="utf-8")
     with pytest.raises(DataError, match="bpe.json"):
-        runs.load_vocab(path)
+        checkpoints.load_vocab(path)
     with pytest.raises(DataError, match="missing.json"):
-        runs.load_vocab(tmp_path / "missing.json")
+        checkpoints.load_vocab(tmp_path / "missing.json")
 
 
 # ---------------------------------------------------------------------------
@@ -109,24 +120,27 @@ def test_loading_a_file_that_is_not_a_saved_subword_vocab_raises_data_error(
 
 
 def test_from_profile_applies_overrides_over_the_profile():
-    config = runs.RunConfig.from_profile("smoke", epochs=3, max_train_pairs=300)
+    config = settings.RunConfig.from_profile("smoke", epochs=3, max_train_pairs=300)
     assert (config.profile, config.N, config.d_model) == ("smoke", 1, 32)
     assert (config.epochs, config.max_train_pairs) == (3, 300)
-    assert runs.RunConfig.from_dict(config.to_dict()) == config
+    assert settings.RunConfig.from_dict(config.to_dict()) == config
 
 
 def test_base_profile_is_the_papers_base_model():
-    config = runs.RunConfig.from_profile("base")
+    config = settings.RunConfig.from_profile("base")
     assert (config.N, config.d_model, config.d_ff, config.h) == (6, 512, 2048, 8)
     assert config.dropout == 0.1 and config.label_smoothing == 0.1
 
 
 def test_the_books_profile_names_mean_the_same_settings_in_a_run():
-    assert set(tat.PROFILES) <= set(runs.TRAIN_PROFILES)
-    assert runs.TRAIN_PROFILES["smoke"] == {**tat.PROFILES["smoke"], "log_every": 10}
+    assert set(tat.PROFILES) <= set(settings.TRAIN_PROFILES)
+    assert settings.TRAIN_PROFILES["smoke"] == {
+        **tat.PROFILES["smoke"],
+        "log_every": 10,
+    }
     for name in ("quick", "base"):
-        assert runs.TRAIN_PROFILES[name] == tat.PROFILES[name], name
-    quick = runs.RunConfig.from_profile("quick")
+        assert settings.TRAIN_PROFILES[name] == tat.PROFILES[name], name
+    quick = settings.RunConfig.from_profile("quick")
     assert (quick.epochs, quick.max_train_pairs) == (4, None)
     book = {f.name for f in dataclasses.fields(tat.TrainConfig)}
     run = quick.to_dict()
@@ -147,20 +161,20 @@ def test_the_books_profile_names_mean_the_same_settings_in_a_run():
 )
 def test_train_config_rejects_bad_settings_with_a_clear_message(overrides, message):
     with pytest.raises(ValueError, match=message):
-        runs.RunConfig.from_profile("smoke", **overrides)
+        settings.RunConfig.from_profile("smoke", **overrides)
 
 
 def test_from_profile_rejects_an_unknown_profile_listing_the_known_ones():
     with pytest.raises(ValueError, match="smoke"):
-        runs.RunConfig.from_profile("huge")
+        settings.RunConfig.from_profile("huge")
 
 
 def test_word_vocabularies_without_sharing_stay_the_default():
-    config = runs.RunConfig()
+    config = settings.RunConfig()
     assert (config.vocab, config.bpe_vocab_size) == ("word", 8000)
     assert not config.share_embeddings and not config.tie_generator
-    for profile in runs.TRAIN_PROFILES:
-        assert runs.RunConfig.from_profile(profile).vocab == "word"
+    for profile in settings.TRAIN_PROFILES:
+        assert settings.RunConfig.from_profile(profile).vocab == "word"
 
 
 @pytest.mark.parametrize(
@@ -176,31 +190,31 @@ def test_train_config_rejects_bad_subword_settings_with_a_clear_message(
     overrides, message
 ):
     with pytest.raises(ValueError, match=message):
-        runs.RunConfig.from_profile("smoke", **overrides)
+        settings.RunConfig.from_profile("smoke", **overrides)
 
 
 def test_a_word_vocabulary_may_still_tie_the_generator_to_the_target_embedding():
-    config = runs.RunConfig.from_profile("smoke", tie_generator=True)
+    config = settings.RunConfig.from_profile("smoke", tie_generator=True)
     model = config.make_model(11, 13)
     target = model.tgt_embed[0].lut.weight
     assert model.generator.proj.weight is target  # one matrix, not a copy
     assert model.src_embed[0].lut.weight is not target  # the vocabularies differ
     assert target.shape == (13, config.d_model)
-    untied = runs.RunConfig.from_profile("smoke").make_model(11, 13)
+    untied = settings.RunConfig.from_profile("smoke").make_model(11, 13)
     assert untied.generator.proj.weight is not untied.tgt_embed[0].lut.weight
 
 
 def old_style_config():
     """A config dict as saved before the subword fields existed."""
-    values = runs.RunConfig.from_profile("smoke").to_dict()
+    values = settings.RunConfig.from_profile("smoke").to_dict()
     for name in NEW_FIELDS:
         del values[name]
     return values
 
 
 def test_old_config_dicts_without_the_subword_fields_load_with_the_defaults():
-    config = runs.RunConfig.from_dict(old_style_config())
-    assert config == runs.RunConfig.from_profile("smoke")
+    config = settings.RunConfig.from_dict(old_style_config())
+    assert config == settings.RunConfig.from_profile("smoke")
     assert config.vocab == "word" and not config.share_embeddings
 
 
@@ -209,18 +223,18 @@ def test_an_old_style_word_checkpoint_still_rebuilds_its_model(tmp_path):
     torch.manual_seed(0)
     model = tat.make_model(len(itos), len(itos), N=1, d_model=32, d_ff=64, h=2)
     path = tmp_path / "old.pt"
-    runs.save_checkpoint(
+    checkpoints.save_checkpoint(
         path,
         {
-            "model": runs.without_positional_tables(model.state_dict()),
+            "model": checkpoints.without_positional_tables(model.state_dict()),
             "config": old_style_config(),
             "epoch": 0,
             "vocab_src": itos,
             "vocab_tgt": itos,
         },
     )
-    rebuilt, vocab_src, vocab_tgt, config = runs.model_from_checkpoint(
-        runs.load_checkpoint(path)
+    rebuilt, vocab_src, vocab_tgt, config = checkpoints.model_from_checkpoint(
+        checkpoints.load_checkpoint(path)
     )
     assert isinstance(vocab_src, tat.Vocab) and vocab_src.get_itos() == itos
     assert vocab_tgt is not vocab_src and config.vocab == "word"
@@ -231,13 +245,15 @@ def test_an_old_style_word_checkpoint_still_rebuilds_its_model(tmp_path):
 
 def saved_smoke_model(path, seed=0):
     """A smoke-profile model saved as training saves it: without the `*.pe` tables."""
-    config = runs.RunConfig.from_profile("smoke")
+    config = settings.RunConfig.from_profile("smoke")
     itos = [*tat.SPECIALS, "a", "dog", "runs", "."]
     torch.manual_seed(seed)
     model = config.make_model(len(itos), len(itos)).eval()
-    weights = runs.without_positional_tables(model.state_dict())
+    weights = checkpoints.without_positional_tables(model.state_dict())
     checkpoint = {"model": weights, "config": config.to_dict(), "epoch": 0}
-    runs.save_checkpoint(path, checkpoint | {"vocab_src": itos, "vocab_tgt": itos})
+    checkpoints.save_checkpoint(
+        path, checkpoint | {"vocab_src": itos, "vocab_tgt": itos}
+    )
     return model
 
 
@@ -245,10 +261,10 @@ def test_a_checkpoint_without_positional_tables_gives_the_saving_models_outputs(
     tmp_path,
 ):
     model = saved_smoke_model(tmp_path / "epoch_001.pt")
-    checkpoint = runs.load_checkpoint(tmp_path / "epoch_001.pt")
+    checkpoint = checkpoints.load_checkpoint(tmp_path / "epoch_001.pt")
     tables = [k for k in model.state_dict() if k.endswith(".pe")]
     assert tables and not any(k.endswith(".pe") for k in checkpoint["model"])
-    rebuilt, *_ = runs.model_from_checkpoint(checkpoint)
+    rebuilt, *_ = checkpoints.model_from_checkpoint(checkpoint)
     src = torch.tensor([[0, 4, 5, 6, 1], [0, 7, 1, 2, 2]])
     tgt = torch.tensor([[0, 5, 4], [0, 6, 2]])
     masks = tat.padding_mask(src, tat.PAD), tat.subsequent_mask(3)
@@ -263,31 +279,33 @@ def test_a_checkpoint_without_positional_tables_gives_the_saving_models_outputs(
 @pytest.mark.parametrize("change", ["drop a weight", "add a weight"])
 def test_filling_the_positional_tables_leaves_loading_strict(tmp_path, change):
     saved_smoke_model(tmp_path / "epoch_001.pt")
-    checkpoint = runs.load_checkpoint(tmp_path / "epoch_001.pt")
+    checkpoint = checkpoints.load_checkpoint(tmp_path / "epoch_001.pt")
     if change == "drop a weight":
         del checkpoint["model"]["generator.proj.bias"]
     else:
         checkpoint["model"]["generator.extra"] = torch.zeros(3)
     with pytest.raises(DataError, match="do not fit"):
-        runs.model_from_checkpoint(checkpoint)
+        checkpoints.model_from_checkpoint(checkpoint)
 
 
 def test_with_positional_tables_keeps_the_tables_a_state_dict_has():
-    model = runs.RunConfig.from_profile("smoke").make_model(11, 11)
+    model = settings.RunConfig.from_profile("smoke").make_model(11, 11)
     state = model.state_dict()
     name = next(k for k in state if k.endswith(".pe"))
     marked = {name: torch.zeros_like(state[name])}
-    filled = runs.with_positional_tables(marked, model)
+    filled = checkpoints.with_positional_tables(marked, model)
     assert torch.equal(filled[name], marked[name])
     tables = {k for k in state if k.endswith(".pe")}
     assert set(filled) == tables
-    assert not tables & set(runs.without_positional_tables(state))
+    assert not tables & set(checkpoints.without_positional_tables(state))
 
 
 def test_a_bpe_checkpoint_without_its_vocabulary_raises_data_error():
-    config = runs.RunConfig.from_profile("smoke", vocab="bpe").to_dict()
+    config = settings.RunConfig.from_profile("smoke", vocab="bpe").to_dict()
     with pytest.raises(DataError, match="'bpe'"):
-        runs.vocabs_from_checkpoint({"config": config, "vocab_src": [], "model": {}})
+        checkpoints.vocabs_from_checkpoint(
+            {"config": config, "vocab_src": [], "model": {}}
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -296,8 +314,8 @@ def test_a_bpe_checkpoint_without_its_vocabulary_raises_data_error():
 
 def bpe_data_config(**overrides):
     """A run's settings for a 1,000-token joint vocabulary learned from 300 pairs."""
-    settings = dict(vocab="bpe", bpe_vocab_size=1000, max_train_pairs=300)
-    return runs.RunConfig.from_profile("smoke", **{**settings, **overrides})
+    changes = dict(vocab="bpe", bpe_vocab_size=1000, max_train_pairs=300)
+    return settings.RunConfig.from_profile("smoke", **{**changes, **overrides})
 
 
 def test_a_runs_data_learns_bpe_from_exactly_the_sliced_training_sentences(
@@ -312,7 +330,7 @@ def test_a_runs_data_learns_bpe_from_exactly_the_sliced_training_sentences(
         return build(texts, vocab_size)
 
     monkeypatch.setattr(tat.SubwordVocab, "build", recording_build)
-    data = runs.prepare_run_data(bpe_data_config(), multi30k_dir)
+    data = training.prepare_run_data(bpe_data_config(), multi30k_dir)
     assert seen == [texts_of(train_pairs[:300])]
     assert data.vocab_src is data.vocab_tgt
     monkeypatch.undo()
@@ -325,7 +343,7 @@ def test_a_runs_data_learns_bpe_from_exactly_the_sliced_training_sentences(
 def test_a_runs_data_encodes_both_sides_with_the_one_subword_vocabulary(
     multi30k_dir,
 ):
-    data = runs.prepare_run_data(bpe_data_config(), multi30k_dir)
+    data = training.prepare_run_data(bpe_data_config(), multi30k_dir)
     vocab = data.vocab_src
     assert isinstance(vocab, tat.SubwordVocab) and data.vocab_tgt is vocab
     assert len(data.splits["train"]) == 300 and len(data.splits["val"]) == 1014
@@ -341,7 +359,7 @@ def test_a_runs_data_encodes_both_sides_with_the_one_subword_vocabulary(
 
 
 def model_weights(path):
-    return runs.load_checkpoint(path)["model"]
+    return checkpoints.load_checkpoint(path)["model"]
 
 
 def test_training_saves_last_and_the_newest_epoch_checkpoints(smoke_run):
@@ -351,13 +369,13 @@ def test_training_saves_last_and_the_newest_epoch_checkpoints(smoke_run):
         "vocab_src.json",
         "vocab_tgt.json",
     ]
-    last = runs.load_checkpoint(smoke_run.out / "last.pt")
+    last = checkpoints.load_checkpoint(smoke_run.out / "last.pt")
     assert last["epoch"] == 1
     assert last["config"] == smoke_config().to_dict()
     assert {"optimizer", "scheduler", "train_state", "history"} <= set(last)
     assert last["history"] == smoke_run.history
     assert [r["epoch"] for r in smoke_run.history] == [1, 2]
-    vocab_tgt = runs.load_vocab(smoke_run.out / "vocab_tgt.json")
+    vocab_tgt = checkpoints.load_vocab(smoke_run.out / "vocab_tgt.json")
     assert vocab_tgt.get_itos() == last["vocab_tgt"]
 
 
@@ -365,21 +383,21 @@ def test_time_limit_stops_before_an_epoch_that_would_end_too_late_and_says_so(
     multi30k_dir, tmp_path, capsys
 ):
     config = smoke_config(epochs=3, time_limit=1e-6)  # minutes: one epoch is longer
-    history = runs.train_model(config, multi30k_dir, tmp_path)
+    history = training.train_model(config, multi30k_dir, tmp_path)
     assert [r["epoch"] for r in history] == [1]  # the first epoch always runs
     assert "stopped after 1 of the 3 epochs" in capsys.readouterr().out
-    last = runs.load_checkpoint(tmp_path / "last.pt")
+    last = checkpoints.load_checkpoint(tmp_path / "last.pt")
     assert last["epoch"] == 0 and "stopped after 1 of the 3 epochs" in last["stopped"]
 
 
 def test_a_run_within_its_time_limit_trains_its_whole_budget_unmarked(smoke_run):
     assert len(smoke_run.history) == smoke_config().epochs
-    assert "stopped" not in runs.load_checkpoint(smoke_run.out / "last.pt")
+    assert "stopped" not in checkpoints.load_checkpoint(smoke_run.out / "last.pt")
 
 
 def test_an_epoch_checkpoint_rebuilds_the_trained_model(smoke_run):
-    model, vocab_src, vocab_tgt, config = runs.model_from_checkpoint(
-        runs.load_checkpoint(smoke_run.out / "epoch_002.pt")
+    model, vocab_src, vocab_tgt, config = checkpoints.model_from_checkpoint(
+        checkpoints.load_checkpoint(smoke_run.out / "epoch_002.pt")
     )
     assert config == smoke_config()
     assert not model.training
@@ -398,11 +416,13 @@ def test_a_run_resumed_after_epoch_1_ends_where_an_uninterrupted_run_ends(
     # smoke_run trains on torch's default thread count, whose other blocking of the
     # matrix products rounds differently (0.02 apart after two epochs).
     whole, part = tmp_path / "whole", tmp_path / "part"
-    uninterrupted = runs.train_model(smoke_config(), multi30k_dir, whole, quiet=True)
-    first = runs.train_model(smoke_config(epochs=1), multi30k_dir, part, quiet=True)
+    uninterrupted = training.train_model(
+        smoke_config(), multi30k_dir, whole, quiet=True
+    )
+    first = training.train_model(smoke_config(epochs=1), multi30k_dir, part, quiet=True)
     assert len(first) == 1
-    assert runs.load_checkpoint(part / "last.pt")["epoch"] == 0
-    resumed = runs.train_model(
+    assert checkpoints.load_checkpoint(part / "last.pt")["epoch"] == 0
+    resumed = training.train_model(
         smoke_config(epochs=2), multi30k_dir, part, resume=True, quiet=True
     )
     assert [r["epoch"] for r in resumed] == [1, 2]
@@ -411,8 +431,8 @@ def test_a_run_resumed_after_epoch_1_ends_where_an_uninterrupted_run_ends(
     # dropout masks from epoch_seed; weights, Adam moments and scheduler restored
     # bit for bit from float32 tensors), so any difference is a state the
     # checkpoint failed to carry.
-    ours = runs.load_checkpoint(part / "last.pt")
-    theirs = runs.load_checkpoint(whole / "last.pt")
+    ours = checkpoints.load_checkpoint(part / "last.pt")
+    theirs = checkpoints.load_checkpoint(whole / "last.pt")
     assert ours["model"].keys() == theirs["model"].keys()
     for name, tensor in ours["model"].items():
         assert torch.equal(tensor, theirs["model"][name]), name
@@ -426,7 +446,7 @@ def test_a_checkpoint_write_that_dies_part_way_keeps_the_previous_one(
 ):
     path = tmp_path / "last.pt"
     before = {"model": {"w": torch.arange(6.0)}, "epoch": 0}
-    runs.save_checkpoint(path, before)
+    checkpoints.save_checkpoint(path, before)
 
     def dies_part_way(obj, f, *args, **kwargs):
         f.write(b"PK\x03\x04 the first bytes of a checkpoint")
@@ -434,9 +454,9 @@ def test_a_checkpoint_write_that_dies_part_way_keeps_the_previous_one(
 
     monkeypatch.setattr(torch, "save", dies_part_way)
     with pytest.raises(OSError, match="No space"):
-        runs.save_checkpoint(path, {"model": {"w": torch.zeros(6)}, "epoch": 1})
+        checkpoints.save_checkpoint(path, {"model": {"w": torch.zeros(6)}, "epoch": 1})
     monkeypatch.undo()
-    after = runs.load_checkpoint(path)
+    after = checkpoints.load_checkpoint(path)
     assert after["epoch"] == 0
     assert torch.equal(after["model"]["w"], before["model"]["w"])
     assert names_in(tmp_path) == ["last.pt"]
@@ -457,7 +477,7 @@ def test_load_checkpoint_refuses_a_file_holding_arbitrary_python_objects(tmp_pat
     path = tmp_path / "evil.pt"
     torch.save({"model": {}, "payload": RunsCodeWhenUnpickled(marker)}, path)
     with pytest.raises(DataError, match="evil.pt"):
-        runs.load_checkpoint(path)
+        checkpoints.load_checkpoint(path)
     assert not marker.exists()
     # The control: an unrestricted load would have run the payload.
     torch.load(path, weights_only=False)["payload"].close()
@@ -468,18 +488,18 @@ def test_load_checkpoint_of_a_truncated_file_raises_data_error(smoke_run, tmp_pa
     whole = (smoke_run.out / "last.pt").read_bytes()
     (tmp_path / "last.pt").write_bytes(whole[: len(whole) // 2])
     with pytest.raises(DataError, match="not a readable checkpoint"):
-        runs.load_checkpoint(tmp_path / "last.pt")
+        checkpoints.load_checkpoint(tmp_path / "last.pt")
 
 
 def test_load_checkpoint_of_a_missing_file_says_how_to_train_one(tmp_path):
     with pytest.raises(FileNotFoundError, match="python -m workshop train"):
-        runs.load_checkpoint(tmp_path / "missing.pt")
+        checkpoints.load_checkpoint(tmp_path / "missing.pt")
 
 
 def test_epoch_files_are_ordered_by_epoch_number_not_by_name(tmp_path):
     for name in ("epoch_1000.pt", "epoch_999.pt", "epoch_002.pt", "epoch_x.pt"):
         (tmp_path / name).write_bytes(b"")
-    assert [p.name for p in runs.epoch_files(tmp_path)] == [
+    assert [p.name for p in run_folders.epoch_files(tmp_path)] == [
         "epoch_002.pt",
         "epoch_999.pt",
         "epoch_1000.pt",
@@ -494,8 +514,8 @@ def test_average_checkpoints_saves_the_mean_in_the_epoch_checkpoint_format(tmp_p
     first = tiny_checkpoint(tmp_path / "epoch_004.pt", seed=1, epoch=3)
     second = tiny_checkpoint(tmp_path / "epoch_005.pt", seed=2, epoch=4)
     paths = [tmp_path / "epoch_004.pt", tmp_path / "epoch_005.pt"]
-    model = runs.average_checkpoints(paths, tmp_path / "average.pt")
-    saved = runs.load_checkpoint(tmp_path / "average.pt")
+    model = checkpoints.average_checkpoints(paths, tmp_path / "average.pt")
+    saved = checkpoints.load_checkpoint(tmp_path / "average.pt")
     assert saved["config"] == first["config"] and saved["epoch"] == 4
     assert saved["vocab_src"] == saved["vocab_tgt"] == first["vocab_src"]
     assert set(saved["model"]) == set(first["model"])  # no .pe tables stored
@@ -503,7 +523,7 @@ def test_average_checkpoints_saves_the_mean_in_the_epoch_checkpoint_format(tmp_p
         mean = (first["model"][name] + second["model"][name]) / 2
         torch.testing.assert_close(tensor, mean, rtol=0, atol=1e-7)
         assert torch.equal(model.state_dict()[name], tensor), name
-    rebuilt, *_ = runs.model_from_checkpoint(saved)
+    rebuilt, *_ = checkpoints.model_from_checkpoint(saved)
     assert torch.equal(rebuilt.generator.proj.weight, model.generator.proj.weight)
     assert not list(tmp_path.glob(".*tmp*"))  # the atomic write left nothing behind
 
@@ -511,7 +531,9 @@ def test_average_checkpoints_saves_the_mean_in_the_epoch_checkpoint_format(tmp_p
 def test_average_checkpoints_accepts_a_run_resumed_with_more_epochs(tmp_path):
     tiny_checkpoint(tmp_path / "a.pt", seed=1, epochs=3)
     tiny_checkpoint(tmp_path / "b.pt", seed=2, epochs=5)
-    runs.average_checkpoints([tmp_path / "a.pt", tmp_path / "b.pt"], tmp_path / "m.pt")
+    checkpoints.average_checkpoints(
+        [tmp_path / "a.pt", tmp_path / "b.pt"], tmp_path / "m.pt"
+    )
     assert (tmp_path / "m.pt").is_file()
 
 
@@ -519,7 +541,7 @@ def test_average_checkpoints_refuses_checkpoints_with_different_settings(tmp_pat
     tiny_checkpoint(tmp_path / "a.pt", seed=1)
     tiny_checkpoint(tmp_path / "b.pt", seed=2, d_ff=128)
     with pytest.raises(DataError, match=r"d_ff=64 vs 128"):
-        runs.average_checkpoints(
+        checkpoints.average_checkpoints(
             [tmp_path / "a.pt", tmp_path / "b.pt"], tmp_path / "m.pt"
         )
     assert not (tmp_path / "m.pt").exists()
@@ -529,7 +551,7 @@ def test_average_checkpoints_refuses_checkpoints_with_different_vocabularies(tmp
     tiny_checkpoint(tmp_path / "a.pt", seed=1)
     tiny_checkpoint(tmp_path / "b.pt", seed=2, words=["a", "cat", "runs", "."])
     with pytest.raises(DataError, match="vocab_src vocabularies"):
-        runs.average_checkpoints(
+        checkpoints.average_checkpoints(
             [tmp_path / "a.pt", tmp_path / "b.pt"], tmp_path / "m.pt"
         )
 
@@ -598,13 +620,13 @@ def test_micro_batches_that_do_not_end_a_group_run_without_gradient_exchange(
     epoch's last), as the 2018/2022 notebook's loop did with no_sync()."""
     batches = [ddp_halves()[0]] * n_batches
     module = ddp_test_model()
-    model = runs.GroupSyncDDP(module)
+    model = processes.GroupSyncDDP(module)
     seen = []  # DDP's public switch, as each forward pass of the module finds it
     module.register_forward_pre_hook(
         lambda *_: seen.append(model.require_backward_grad_sync)
     )
     model.plan_epoch(n_batches, accum_iter=2)
-    loss_compute = runs.DistributedLossCompute(module.generator, ddp_criterion())
+    loss_compute = processes.DistributedLossCompute(module.generator, ddp_criterion())
     optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
     _, state = tat.run_epoch(batches, model, loss_compute, optimizer, accum_iter=2)
     assert seen == synced
@@ -626,12 +648,12 @@ def test_ddp_without_a_plan_exchanges_gradients_after_every_micro_batch(
     one_process_group,
 ):
     module = ddp_test_model()
-    model = runs.GroupSyncDDP(module)
+    model = processes.GroupSyncDDP(module)
     seen = []
     module.register_forward_pre_hook(
         lambda *_: seen.append(model.require_backward_grad_sync)
     )
-    loss_compute = runs.DistributedLossCompute(module.generator, ddp_criterion())
+    loss_compute = processes.DistributedLossCompute(module.generator, ddp_criterion())
     sgd_epoch(model, module, loss_compute, ddp_halves() * 2, accum_iter=2)
     assert seen == [True] * 4
 
@@ -639,13 +661,13 @@ def test_ddp_without_a_plan_exchanges_gradients_after_every_micro_batch(
 def test_the_distributed_norm_is_the_mean_token_count_over_processes_as_a_tensor(
     one_process_group,
 ):
-    mean = runs.mean_over_processes(37, torch.device("cpu"))
+    mean = processes.mean_over_processes(37, torch.device("cpu"))
     assert torch.is_tensor(mean) and mean.dtype == torch.float32
     assert mean.item() == 37.0  # one process: its own count, exactly
     module = ddp_test_model()
     batch = ddp_halves()[0]
     out = module(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
-    ours = runs.DistributedLossCompute(module.generator, ddp_criterion())
+    ours = processes.DistributedLossCompute(module.generator, ddp_criterion())
     book = tat.SimpleLossCompute(module.generator, ddp_criterion())
     loss, node = ours(out, batch.tgt_y, 37)
     book_loss, book_node = book(out, batch.tgt_y, 37)
@@ -663,9 +685,9 @@ def two_process_worker(rank, rendezvous, result_path):
     )
     try:
         module = ddp_test_model()
-        model, _ = runs.models_for_run(module, distributed=True)
+        model, _ = training.models_for_run(module, distributed=True)
         model.plan_epoch(1, accum_iter=1)
-        loss_compute = runs.loss_compute_for_run(
+        loss_compute = training.loss_compute_for_run(
             module.generator, ddp_criterion(), distributed=True
         )
         state = sgd_epoch(model, module, loss_compute, [ddp_halves()[rank]])
@@ -720,38 +742,20 @@ def test_two_processes_on_halves_of_a_batch_take_the_one_process_step(tmp_path):
 # Data-parallel training in two processes
 
 
-def test_train_model_in_two_processes_gives_each_its_share_of_the_batches(
-    multi30k_dir, tmp_path, monkeypatch
-):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # one thread for each process
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    config = smoke_config(epochs=1)
-    history = runs.train_model(config, multi30k_dir, tmp_path, nprocs=2, quiet=True)
-    assert [r["epoch"] for r in history] == [1]
-    state = runs.load_checkpoint(tmp_path / "last.pt")["train_state"]
-    data = tat.prepare_data(multi30k_dir, splits=("train",), max_train_pairs=300)
-    rank_0 = list(
-        runs.ShardedBatchSampler(
-            data.lengths("train"), config.max_tokens, num_replicas=2, rank=0
-        )
-    )
-    assert state["step"] == state["accum_step"] == len(rank_0)
-    assert state["samples"] == sum(len(batch) for batch in rank_0) < 300
-
-
 def test_epoch_seeds_differ_by_rank_and_epoch_and_repeat_for_the_same_ones():
-    seeds = {runs.epoch_seed(0, e, r) for e in range(3) for r in range(4)}
+    seeds = {processes.epoch_seed(0, e, r) for e in range(3) for r in range(4)}
     assert len(seeds) == 12
-    assert runs.epoch_seed(1, 0, 0) != runs.epoch_seed(0, 1, 0)  # not seed + epoch
+    assert processes.epoch_seed(1, 0, 0) != processes.epoch_seed(
+        0, 1, 0
+    )  # not seed + epoch
     # A resumed run draws its epoch's seed in another process: the seed must not
     # depend on the global random state nor on Python's per-process string hashing.
-    here = [runs.epoch_seed(0, 1, 1), runs.epoch_seed(7, 2, 0)]
+    here = [processes.epoch_seed(0, 1, 1), processes.epoch_seed(7, 2, 0)]
     torch.rand(3), np.random.rand(3), random.random()  # move every global generator
-    assert [runs.epoch_seed(0, 1, 1), runs.epoch_seed(7, 2, 0)] == here
+    assert [processes.epoch_seed(0, 1, 1), processes.epoch_seed(7, 2, 0)] == here
     code = (
-        "from workshop import runs\n"
-        "print(runs.epoch_seed(0, 1, 1), runs.epoch_seed(7, 2, 0))"
+        "from workshop import processes\n"
+        "print(processes.epoch_seed(0, 1, 1), processes.epoch_seed(7, 2, 0))"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run(
@@ -781,22 +785,28 @@ def test_two_processes_train_an_epoch_to_the_end_without_hanging(
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     config = smoke_config(epochs=1, **overrides)
-    history = runs.train_model(config, multi30k_dir, tmp_path, nprocs=2, quiet=True)
+    history = training.train_model(config, multi30k_dir, tmp_path, nprocs=2, quiet=True)
     assert [r["epoch"] for r in history] == [1]
-    state = runs.load_checkpoint(tmp_path / "last.pt")["train_state"]
+    state = checkpoints.load_checkpoint(tmp_path / "last.pt")["train_state"]
     data = tat.prepare_data(
         multi30k_dir, splits=("train",), max_train_pairs=config.max_train_pairs
     )
     shares = [
         list(
-            runs.ShardedBatchSampler(
+            processes.ShardedBatchSampler(
                 data.lengths("train"), config.max_tokens, num_replicas=2, rank=r
             )
         )
         for r in range(2)
     ]
+    # Each process trains its own share: the main one's state counts its batches
+    # and its pairs, and together the shares cover every pair (25 pairs in batches
+    # of one: one of them twice, so that each process gets 13).
     assert len(shares[0]) == len(shares[1]) == state["step"]
     assert state["accum_step"] == math.ceil(state["step"] / config.accum_iter)
+    assert state["samples"] == sum(len(batch) for batch in shares[0])
+    covered = sorted(i for share in shares for batch in share for i in batch)
+    assert set(covered) == set(range(config.max_train_pairs))
 
 
 # ---------------------------------------------------------------------------
@@ -822,14 +832,16 @@ def untrained_val_nll(config, data):
 def test_quick_profile_lowers_the_validation_nll_by_a_third_in_a_few_hundred_steps(
     multi30k_dir, tmp_path
 ):
-    config = runs.RunConfig.from_profile(
+    config = settings.RunConfig.from_profile(
         "quick", max_train_pairs=1500, epochs=4, max_tokens=400
     )
     data = tat.prepare_data(multi30k_dir, max_train_pairs=1500)
     before = untrained_val_nll(config, data)
     assert before == pytest.approx(math.log(len(data.vocab_tgt)), abs=1.0)
-    history = runs.train_model(config, multi30k_dir, tmp_path, quiet=True)
-    steps = runs.load_checkpoint(tmp_path / "last.pt")["train_state"]["accum_step"]
+    history = training.train_model(config, multi30k_dir, tmp_path, quiet=True)
+    steps = checkpoints.load_checkpoint(tmp_path / "last.pt")["train_state"][
+        "accum_step"
+    ]
     assert steps >= 200
     after = history[-1]["val_nll"]
     assert after < before * 2 / 3, (before, [r["val_nll"] for r in history])
@@ -839,14 +851,14 @@ def test_quick_profile_lowers_the_validation_nll_by_a_third_in_a_few_hundred_ste
 def test_a_run_without_dropout_trains_exactly_what_the_books_recipe_trains(
     multi30k_dir, tmp_path, monkeypatch
 ):
-    """runs.train_model is tat.train_translator plus what a long run needs, and the
+    """training.train_model is tat.train_translator plus what a long run needs, and the
     CPU tricks of workshop.fast. Their loss has the book's gradient (-q) and, with
     dropout off, their dropout draws nothing: both runs end with the same weights.
     The fused attention is left out here: it computes the same function in another
     order of rounding (tests/test_part1_model.py compares the two)."""
-    monkeypatch.setattr(runs.fast, "use_fused_attention", lambda model: model)
+    monkeypatch.setattr(training.fast, "use_fused_attention", lambda model: model)
     config = smoke_config(epochs=1, dropout=0.0)
-    history = runs.train_model(config, multi30k_dir, tmp_path, quiet=True)
+    history = training.train_model(config, multi30k_dir, tmp_path, quiet=True)
     book_config = tat.TrainConfig(
         **{f.name: getattr(config, f.name) for f in dataclasses.fields(tat.TrainConfig)}
     )
@@ -872,7 +884,7 @@ def test_a_run_without_dropout_trains_exactly_what_the_books_recipe_trains(
 
 
 def bpe_smoke_config(**overrides):
-    settings = dict(
+    changes = dict(
         vocab="bpe",
         bpe_vocab_size=1000,
         share_embeddings=True,
@@ -880,7 +892,7 @@ def bpe_smoke_config(**overrides):
         max_train_pairs=300,
         keep_checkpoints=1,
     )
-    return runs.RunConfig.from_profile("smoke", **{**settings, **overrides})
+    return settings.RunConfig.from_profile("smoke", **{**changes, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -898,7 +910,7 @@ def test_a_bpe_run_saves_its_vocabulary_in_the_checkpoint_and_as_json(bpe_run):
     last = torch.load(bpe_run.out / "last.pt", map_location="cpu", weights_only=True)
     assert last["config"] == bpe_smoke_config().to_dict()
     assert isinstance(last["bpe"], str)
-    vocab = runs.load_vocab(bpe_run.out / "bpe.json")
+    vocab = checkpoints.load_vocab(bpe_run.out / "bpe.json")
     assert vocab.tokenizer.to_str() == last["bpe"]
     assert last["vocab_src"] == last["vocab_tgt"] == vocab.get_itos()
     assert len(vocab) <= 1000
@@ -907,8 +919,8 @@ def test_a_bpe_run_saves_its_vocabulary_in_the_checkpoint_and_as_json(bpe_run):
 
 
 def test_a_bpe_checkpoint_rebuilds_a_model_with_one_shared_matrix(bpe_run):
-    checkpoint = runs.load_checkpoint(bpe_run.out / "epoch_001.pt")
-    model, vocab_src, vocab_tgt, config = runs.model_from_checkpoint(checkpoint)
+    checkpoint = checkpoints.load_checkpoint(bpe_run.out / "epoch_001.pt")
+    model, vocab_src, vocab_tgt, config = checkpoints.model_from_checkpoint(checkpoint)
     assert isinstance(vocab_src, tat.SubwordVocab) and vocab_tgt is vocab_src
     assert config.share_embeddings and config.tie_generator
     lut = model.src_embed[0].lut.weight
@@ -921,7 +933,7 @@ def test_a_bpe_checkpoint_rebuilds_a_model_with_one_shared_matrix(bpe_run):
 
 
 def test_a_translator_from_a_bpe_checkpoint_returns_plain_text(bpe_run):
-    translator = runs.load_translator(bpe_run.out / "last.pt", device="cpu")
+    translator = translation.load_translator(bpe_run.out / "last.pt", device="cpu")
     vocab = translator.vocab_src
     assert translator.encode(["Ein Hund läuft."]) == [
         [tat.BOS, *vocab.encode("Ein Hund läuft."), tat.EOS]
@@ -941,13 +953,13 @@ def test_a_bpe_run_resumes_with_the_vocabulary_it_saved(
 ):
     shutil.copytree(bpe_run.out, tmp_path, dirs_exist_ok=True)
     before = (tmp_path / "bpe.json").read_text(encoding="utf-8")
-    history = runs.train_model(
+    history = training.train_model(
         bpe_smoke_config(epochs=2), multi30k_dir, tmp_path, resume=True, quiet=True
     )
     assert [r["epoch"] for r in history] == [1, 2]
     assert history[0] == bpe_run.history[0]
     assert (tmp_path / "bpe.json").read_text(encoding="utf-8") == before
-    assert runs.load_checkpoint(tmp_path / "last.pt")["bpe"] == before
+    assert checkpoints.load_checkpoint(tmp_path / "last.pt")["bpe"] == before
 
 
 # ---------------------------------------------------------------------------
@@ -961,8 +973,8 @@ def test_a_bpe_run_resumes_with_the_vocabulary_it_saved(
 def test_bf16_is_used_only_where_a_measured_matmul_says_it_pays(
     speedup, expected, monkeypatch, capsys
 ):
-    monkeypatch.setattr(runs, "bf16_matmul_speedup", lambda device: speedup)
-    assert runs.amp_dtype_for(True, torch.device("cpu")) == expected
+    monkeypatch.setattr(precision, "bf16_matmul_speedup", lambda device: speedup)
+    assert precision.amp_dtype_for(True, torch.device("cpu")) == expected
     said = capsys.readouterr().out.strip().splitlines()
     if expected is None:
         assert len(said) == 1 and "--bf16 ignored" in said[0]
@@ -975,22 +987,22 @@ def test_bf16_not_asked_for_is_not_even_measured(monkeypatch):
     def never(device):
         raise AssertionError("measured without --bf16")
 
-    monkeypatch.setattr(runs, "bf16_matmul_speedup", never)
-    assert runs.amp_dtype_for(False, torch.device("cpu")) is None
+    monkeypatch.setattr(precision, "bf16_matmul_speedup", never)
+    assert precision.amp_dtype_for(False, torch.device("cpu")) is None
 
 
 def test_bf16_is_decided_on_this_cpus_real_measurement(monkeypatch, capsys):
     """The decision on a real timing of real products (smaller than a run's, to
     be quick): bfloat16 exactly when the measured speedup is at least 1, and a
     refusal that reports the number measured."""
-    measured, measure = [], runs.bf16_matmul_speedup
+    measured, measure = [], precision.bf16_matmul_speedup
 
     def real_speedup(device):
         measured.append(measure(device, tokens=128, d_model=64))
         return measured[-1]
 
-    monkeypatch.setattr(runs, "bf16_matmul_speedup", real_speedup)
-    dtype = runs.amp_dtype_for(True, torch.device("cpu"))
+    monkeypatch.setattr(precision, "bf16_matmul_speedup", real_speedup)
+    dtype = precision.amp_dtype_for(True, torch.device("cpu"))
     assert len(measured) == 1
     speedup = measured[0]
     assert math.isfinite(speedup) and speedup > 0
@@ -1014,7 +1026,7 @@ def copy_batches(n=4, batch_size=16, seed=1):
 def test_autocast_runs_the_wrapped_models_forward_in_bfloat16_on_the_cpu():
     torch.manual_seed(0)
     model = tat.make_model(COPY_VOCAB, COPY_VOCAB, N=2, d_model=32, d_ff=64, h=4)
-    wrapped = runs.Autocast(model).eval()
+    wrapped = precision.Autocast(model).eval()
     assert wrapped.dtype == torch.bfloat16
     seen = []  # what a linear layer inside the model computes in, and whether
     layer = model.encoder.layers[0].feed_forward.w_1
@@ -1047,12 +1059,14 @@ def test_a_bf16_model_and_loss_train_through_the_books_run_epoch():
     model = tat.make_model(
         COPY_VOCAB, COPY_VOCAB, N=2, d_model=32, d_ff=64, h=4, dropout=0.0
     )
-    trained, evaluated = runs.models_for_run(model, torch.bfloat16)
-    assert type(trained) is runs.Autocast and evaluated is trained
+    trained, evaluated = training.models_for_run(model, torch.bfloat16)
+    assert type(trained) is precision.Autocast and evaluated is trained
     assert trained.model is model
     criterion = tat.LabelSmoothing(COPY_VOCAB, tat.COPY_PAD, 0.0)
-    loss_compute = runs.loss_compute_for_run(model.generator, criterion, torch.bfloat16)
-    assert type(loss_compute) is runs.AutocastLossCompute
+    loss_compute = training.loss_compute_for_run(
+        model.generator, criterion, torch.bfloat16
+    )
+    assert type(loss_compute) is precision.AutocastLossCompute
     scores = []  # the dtype of the generator's output, in training and evaluation
     model.generator.proj.register_forward_hook(
         lambda module, inputs, output: scores.append(output.dtype)
@@ -1071,37 +1085,41 @@ def test_a_bf16_model_and_loss_train_through_the_books_run_epoch():
 
 
 def test_a_run_picks_the_model_and_loss_wrappers_for_its_precision():
-    model = runs.RunConfig.from_profile("smoke").make_model(11, 11)
+    model = settings.RunConfig.from_profile("smoke").make_model(11, 11)
     criterion = tat.LabelSmoothing(11, tat.PAD, 0.1)
-    assert runs.models_for_run(model) == (model, model)
-    plain = runs.loss_compute_for_run(model.generator, criterion)
+    assert training.models_for_run(model) == (model, model)
+    plain = training.loss_compute_for_run(model.generator, criterion)
     assert type(plain) is tat.SimpleLossCompute
-    both = runs.loss_compute_for_run(model.generator, criterion, torch.bfloat16, True)
-    assert type(both) is runs.DistributedAutocastLossCompute
-    assert isinstance(both, runs.DistributedLossCompute)
-    assert isinstance(both, runs.AutocastLossCompute) and both.dtype == torch.bfloat16
+    both = training.loss_compute_for_run(
+        model.generator, criterion, torch.bfloat16, True
+    )
+    assert type(both) is processes.DistributedAutocastLossCompute
+    assert isinstance(both, processes.DistributedLossCompute)
+    assert (
+        isinstance(both, precision.AutocastLossCompute) and both.dtype == torch.bfloat16
+    )
 
 
 def test_a_bf16_run_trains_and_evaluates_under_autocast(
     smoke_run, multi30k_dir, tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(runs, "bf16_matmul_speedup", lambda device: 2.0)  # it pays
-    made, models_for_run = [], runs.models_for_run
+    monkeypatch.setattr(precision, "bf16_matmul_speedup", lambda device: 2.0)  # it pays
+    made, models_for_run = [], training.models_for_run
 
     def recording_models_for_run(*args, **kwargs):
         made.append(models_for_run(*args, **kwargs))
         return made[-1]
 
-    monkeypatch.setattr(runs, "models_for_run", recording_models_for_run)
-    history = runs.train_model(
+    monkeypatch.setattr(training, "models_for_run", recording_models_for_run)
+    history = training.train_model(
         smoke_config(epochs=1, bf16=True), multi30k_dir, tmp_path, quiet=True
     )
     [(trained, evaluated)] = made
-    assert type(trained) is type(evaluated) is runs.Autocast
+    assert type(trained) is type(evaluated) is precision.Autocast
     assert math.isfinite(history[0]["val_nll"])
     # The float32 run of the same settings computed in another precision.
     assert history[0]["val_nll"] != smoke_run.history[0]["val_nll"]
-    weights = runs.load_checkpoint(tmp_path / "last.pt")["model"]
+    weights = checkpoints.load_checkpoint(tmp_path / "last.pt")["model"]
     assert all(w.dtype == torch.float32 for w in weights.values())
 
 
@@ -1125,7 +1143,7 @@ def test_two_ranks_get_disjoint_equal_counts_of_batches_covering_the_epoch(
         if len(tat.TokenBudgetBatchSampler(lengths, b).all_batches()) % 2
     )
     ranks = [
-        runs.ShardedBatchSampler(lengths, budget, seed=2, num_replicas=2, rank=r)
+        processes.ShardedBatchSampler(lengths, budget, seed=2, num_replicas=2, rank=r)
         for r in (0, 1)
     ]
     for epoch in (0, 1):
@@ -1143,15 +1161,15 @@ def test_two_ranks_get_disjoint_equal_counts_of_batches_covering_the_epoch(
 
 def test_sampler_rejects_a_rank_outside_the_replicas_and_too_few_examples():
     with pytest.raises(ValueError, match="rank"):
-        runs.ShardedBatchSampler([3, 4], 10, num_replicas=2, rank=2)
+        processes.ShardedBatchSampler([3, 4], 10, num_replicas=2, rank=2)
     with pytest.raises(ValueError, match="cannot be shared"):
-        runs.ShardedBatchSampler([3], 10, num_replicas=2, rank=0)
+        processes.ShardedBatchSampler([3], 10, num_replicas=2, rank=0)
 
 
 @pytest.mark.parametrize("n, replicas", [(5, 2), (7, 3), (9, 4), (2, 2)])
 def test_every_process_gets_as_many_batches_when_each_batch_holds_one_pair(n, replicas):
     shares = [
-        list(runs.ShardedBatchSampler([10] * n, 1, num_replicas=replicas, rank=r))
+        list(processes.ShardedBatchSampler([10] * n, 1, num_replicas=replicas, rank=r))
         for r in range(replicas)
     ]
     assert len({len(share) for share in shares}) == 1

@@ -18,18 +18,14 @@ from the_annotated_transformer import (
     default_data_dir,
     example_simple_model,
 )
+from workshop.checkpoints import average_checkpoints
 from workshop.figures import save_attention_maps, save_figures
 from workshop.multi30k import DataError, download_multi30k
 from workshop.results import evaluate, reproduce
-from workshop.runs import (
-    TRAIN_PROFILES,
-    RunConfig,
-    average_checkpoints,
-    decoding,
-    load_translator,
-    resume_config,
-    train_model,
-)
+from workshop.run_folders import resume_config
+from workshop.settings import TRAIN_PROFILES, RunConfig
+from workshop.training import train_model
+from workshop.translation import decode_options, load_translator
 
 
 class _Parser(argparse.ArgumentParser):
@@ -294,7 +290,7 @@ def _run_command(args):
     elif args.command == "translate":
         translator = load_translator(args.checkpoint)
         sentences = _sentences_to_translate(args.sentences)
-        for line in translator.translate(sentences, **decoding()):
+        for line in translator.translate(sentences, **decode_options()):
             print(line)
     elif args.command in ("evaluate", "average", "attention", "reproduce"):
         _run_results_command(args)

@@ -1,7 +1,6 @@
-"""Speed tricks the book leaves out: a cheaper dropout, fused attention and a fused
-label-smoothing loss, which training runs (workshop.runs) put into the book's models,
-and a beam search over a whole batch at once, which evaluation uses. Tests check
-each against the book's plain version."""
+"""Speed tricks the book leaves out, which training runs put into the book's
+models: a cheaper dropout, fused attention and a fused label-smoothing loss. Tests
+check each against the book's plain version."""
 
 from __future__ import annotations
 
@@ -63,12 +62,25 @@ class FusedAttention(tat.MultiHeadedAttention):
         return self.linears[-1](x)
 
 
+def fused(attention):
+    """A FusedAttention that shares the book layer's projections and dropout (the
+    same parameters, so training either trains both)."""
+    layer = FusedAttention(
+        attention.h, attention.h * attention.d_k, attention.dropout.p
+    )
+    layer.linears, layer.dropout = attention.linears, attention.dropout
+    return layer.train(attention.training)
+
+
 def use_fused_attention(model):
-    """Make every book MultiHeadedAttention in `model` a FusedAttention (in place)."""
-    for module in model.modules():
-        if type(module) is tat.MultiHeadedAttention:
-            module.__class__ = FusedAttention
-            module.attn = None
+    """Put a FusedAttention in place of every book MultiHeadedAttention in `model`;
+    returns the model (or, for a bare attention layer, its fused twin)."""
+    if type(model) is tat.MultiHeadedAttention:
+        return fused(model)
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if type(child) is tat.MultiHeadedAttention:
+                setattr(module, name, fused(child))
     return model
 
 
@@ -127,98 +139,3 @@ class _SmoothedKL(torch.autograd.Function):
         (target,) = ctx.saved_tensors
         q = ctx.crit.smoothed_targets(target, ctx.dtype)  # zero rows for padding
         return q.mul_(-grad), None, None
-
-
-def next_beam(b, candidates, ys, step, finished, last, k, end_symbol, alpha):
-    """Sentence b's next beam from its best (score, flat index) candidates: up to k
-    (row, token, score); hypotheses that end here join finished[b] instead."""
-    beam, vocab = [], candidates[2]
-    for rank, (score, flat) in enumerate(zip(*candidates[:2], strict=True)):
-        if len(finished[b]) >= k or len(beam) == k or score == float("-inf"):
-            break
-        row, token = b * k + flat // vocab, flat % vocab
-        if token == end_symbol or last:
-            if rank < k:  # only candidates that would have made the beam count
-                ids = ys[row].tolist() + [token]
-                finished[b].append((score / tat.length_penalty(step, alpha), ids))
-            continue
-        beam.append((row, token, score))
-    return beam
-
-
-def advance_beams(ys, scores, log_probs, step, finished, last, k, end, pad, alpha):
-    """One beam-search step for every sentence: returns (ys, scores, rows kept).
-
-    It adds each hypothesis's score to the log-probabilities of its next tokens,
-    keeps the 2k best of the k * V extensions (enough for k to go on even if k of
-    them end), lets next_beam choose, and fills a finished sentence's beam with dead
-    rows of score -inf.
-    """
-    B, vocab = scores.size(0), log_probs.size(-1)
-    total = (scores.unsqueeze(-1) + log_probs.view(B, k, vocab)).view(B, -1)
-    top_scores, top_ids = total.topk(min(2 * k, total.size(1)), dim=-1)
-    chosen = []  # (row, token, score), k per sentence
-    for b, (s, i) in enumerate(zip(top_scores.tolist(), top_ids.tolist(), strict=True)):
-        beam = next_beam(b, (s, i, vocab), ys, step, finished, last, k, end, alpha)
-        chosen += beam + [(b * k, pad, float("-inf"))] * (k - len(beam))  # dead rows
-    rows, tokens, new_scores = zip(*chosen, strict=True)
-    rows = torch.tensor(rows, device=ys.device)
-    tokens = torch.tensor(tokens, device=ys.device, dtype=ys.dtype).unsqueeze(1)
-    ys = torch.cat([ys[rows], tokens], dim=1)
-    return ys, torch.tensor(new_scores, device=ys.device).view(B, k), rows
-
-
-def best_hypotheses(finished, n_best, pad_symbol, src):
-    """Each sentence's n_best (ids, score); for n_best=1, the best ids as one tensor."""
-    best = [sorted(f, key=lambda h: -h[0])[:n_best] for f in finished]
-    if n_best > 1:
-        return [[(ids, score) for score, ids in hyps] for hyps in best]
-    longest = max(len(hyps[0][1]) for hyps in best)
-    out = torch.full((len(best), longest), pad_symbol, dtype=src.dtype)
-    for b, hyps in enumerate(best):
-        out[b, : len(hyps[0][1])] = torch.tensor(hyps[0][1])
-    return out.to(src.device)
-
-
-def beam_search(
-    model,
-    src,
-    src_mask,
-    max_len,
-    start_symbol,
-    end_symbol,
-    beam_size=4,
-    alpha=0.6,
-    pad_symbol=None,
-    n_best=1,
-    use_cache=True,
-):
-    """The book's beam search for a whole batch at once: the k hypotheses of all B
-    sentences are B * k rows of one decoder batch. n_best=1: (batch, <= max_len) best
-    ids incl. the start symbol; n_best > 1: per sentence, a list of (ids, score),
-    best first. use_cache=False recomputes every step (for tests)."""
-    tat.check_positive_int(max_len=max_len, beam_size=beam_size, n_best=n_best)
-    if n_best > beam_size:
-        raise ValueError(f"n_best={n_best} cannot exceed beam_size={beam_size}.")
-    pad_symbol = end_symbol if pad_symbol is None else pad_symbol
-    B, k = src.size(0), beam_size
-    step_options = dict(k=k, end=end_symbol, pad=pad_symbol, alpha=alpha)
-    with tat.evaluating(model), torch.no_grad():
-        memory = model.encode(src, src_mask).repeat_interleave(k, dim=0)
-        src_mask = src_mask.repeat_interleave(k, dim=0)  # k rows per sentence
-        ys = torch.full_like(memory[:, :1, 0], start_symbol, dtype=src.dtype)
-        scores = torch.full((B, k), float("-inf"), device=src.device)
-        scores[:, 0] = 0.0  # at first the beam holds only the start symbol
-        cache = tat.KVCache(model) if use_cache else None
-        finished = [[] for _ in range(B)]  # (normalised score, ids)
-        for step in range(1, max_len):
-            log_probs = tat.decode_step(model, memory, src_mask, ys, cache)
-            last = step == max_len - 1
-            ys, scores, rows = advance_beams(
-                ys, scores, log_probs, step, finished, last, **step_options
-            )
-            if cache is not None:
-                cache.reorder(rows)  # every row keeps the cache of what it extends
-            if all(len(f) >= k for f in finished):
-                break
-    return best_hypotheses(finished, n_best, pad_symbol, src)

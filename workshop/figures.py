@@ -20,7 +20,7 @@ from the_annotated_transformer import (
     chart_subsequent_mask,
 )
 from workshop.files import atomic_write_bytes
-from workshop.runs import load_translator
+from workshop.translation import load_translator
 
 
 def save_png(figure, path):

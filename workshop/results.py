@@ -22,19 +22,14 @@ from the_annotated_transformer import (
     load_tokenizers,
     tokenize,
 )
+from workshop.checkpoints import average_checkpoints, load_checkpoint
 from workshop.figures import save_png
 from workshop.files import atomic_write_text
 from workshop.multi30k import DataError, read_split
-from workshop.runs import (
-    RunConfig,
-    average_checkpoints,
-    decoding,
-    epoch_files,
-    load_checkpoint,
-    load_translator,
-    refuse_existing_run,
-    train_model,
-)
+from workshop.run_folders import epoch_files, refuse_existing_run
+from workshop.settings import RunConfig
+from workshop.training import train_model
+from workshop.translation import decode_options, load_translator
 
 
 def _listed(numbers):
@@ -77,7 +72,7 @@ def evaluate(
     references = [en for _, en in pairs]
     start = time.perf_counter()
     hypotheses = translator.translate(
-        sources, batch_size=batch_size, **decoding(beam_size, alpha)
+        sources, batch_size=batch_size, **decode_options(beam_size, alpha)
     )
     seconds = time.perf_counter() - start
     if output is not None:

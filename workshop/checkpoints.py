@@ -1,0 +1,187 @@
+"""The files a run writes and reads back: vocabularies as JSON, checkpoints (written
+atomically, loaded with weights_only, saved without the positional tables, which the
+model's sizes determine), and the average of a run's checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from the_annotated_transformer import (
+    SubwordVocab,
+    Vocab,
+    average,
+)
+from workshop.files import atomic_write, atomic_write_text
+from workshop.multi30k import DataError
+from workshop.settings import RunConfig
+
+
+def subword_vocab_from_json(text):
+    """The SubwordVocab whose tokenizer `tokenizer.to_str()` wrote as `text`."""
+    from tokenizers import Tokenizer
+
+    try:
+        return SubwordVocab(Tokenizer.from_str(text))
+    except Exception as error:  # tokenizers raises a plain Exception
+        raise DataError(f"not a saved SubwordVocab ({error}).") from error
+
+
+def save_vocab(vocab, path):
+    """Write a Vocab (its tokens) or a SubwordVocab (its tokenizer) as JSON."""
+    if isinstance(vocab, SubwordVocab):
+        atomic_write_text(path, vocab.tokenizer.to_str())
+    else:
+        itos = {"itos": vocab.get_itos()}
+        atomic_write_text(path, json.dumps(itos, ensure_ascii=False))
+
+
+def load_vocab(path):
+    """A vocabulary written by save_vocab, of either kind."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        data = json.loads(text)
+        if isinstance(data, dict) and "itos" in data:
+            return Vocab(data["itos"])
+        return subword_vocab_from_json(text)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise DataError(f"{path} is not a saved vocabulary ({error}).") from error
+
+
+def save_checkpoint(path, state):
+    """torch.save `state` to `path` atomically (workshop.files.atomic_write)."""
+    atomic_write(path, lambda f: torch.save(state, f))
+
+
+def without_positional_tables(state_dict):
+    """A state dict without the positional-encoding tables (the `*.pe` buffers):
+    they are a fixed function of the model's sizes, so checkpoints leave them out."""
+    return {k: v for k, v in state_dict.items() if not k.endswith(".pe")}
+
+
+def with_positional_tables(state_dict, model):
+    """`state_dict` with every `*.pe` table it lacks taken from `model`'s own state
+    dict, for model.load_state_dict(..., strict=True): strictness then still catches
+    every other missing or unexpected entry."""
+    tables = {k: v for k, v in model.state_dict().items() if k.endswith(".pe")}
+    return {**tables, **state_dict}
+
+
+def load_weights(model, state_dict):
+    """Load a checkpoint's state dict, saved with or without the positional tables,
+    into `model` strictly; returns `model`."""
+    model.load_state_dict(with_positional_tables(state_dict, model), strict=True)
+    return model
+
+
+def load_checkpoint(path, map_location="cpu"):
+    """Load a checkpoint written by save_checkpoint (tensors and plain data only)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"checkpoint {path} not found. Train one with "
+            "`python -m workshop train --out DIR`."
+        )
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as error:  # torch raises several types for a damaged file
+        raise DataError(
+            f"{path} is not a readable checkpoint: it is damaged, truncated or not "
+            f"a file written by `train` (torch.load: {type(error).__name__}). Pass "
+            "a .pt written by `train`."
+        ) from None
+
+
+def vocabs_from_checkpoint(checkpoint):
+    """(vocab_src, vocab_tgt) of a loaded checkpoint; one SubwordVocab for "bpe"."""
+    if checkpoint["config"].get("vocab", "word") == "bpe":
+        if "bpe" not in checkpoint:
+            raise DataError(
+                "this checkpoint was trained with vocab='bpe' but holds no subword "
+                "vocabulary (no 'bpe' entry); it is incomplete."
+            )
+        shared = subword_vocab_from_json(checkpoint["bpe"])
+        return shared, shared
+    return Vocab(checkpoint["vocab_src"]), Vocab(checkpoint["vocab_tgt"])
+
+
+def model_from_checkpoint(checkpoint, device="cpu", path="the checkpoint"):
+    """Rebuild (model, vocab_src, vocab_tgt, config) from a loaded checkpoint."""
+    is_dict = isinstance(checkpoint, dict)
+    missing = [k for k in ("model", "config") if not is_dict or k not in checkpoint]
+    if missing:
+        raise DataError(
+            f"{path} is not a model checkpoint of this project (it lacks "
+            f"{missing}); a bare state dict loads with "
+            "model.load_state_dict in Python. Pass a .pt written by `train`."
+        )
+    try:
+        config = RunConfig.from_dict(checkpoint["config"])
+    except (ValueError, TypeError) as error:
+        raise DataError(
+            f"{path} holds settings this code cannot use: {error}"
+        ) from None
+    vocab_src, vocab_tgt = vocabs_from_checkpoint(checkpoint)
+    model = config.make_model(len(vocab_src), len(vocab_tgt))
+    try:
+        load_weights(model, checkpoint["model"])
+    except RuntimeError as error:
+        first = str(error).strip().splitlines()[-1].strip()
+        raise DataError(
+            f"{path}: its weights do not fit the model its settings describe "
+            f"({first}). The file is damaged or was edited; use another checkpoint."
+        ) from None
+    return model.to(device).eval(), vocab_src, vocab_tgt, config
+
+
+CHECKPOINT_KEYS = ("model", "config", "vocab_src", "vocab_tgt")
+
+
+def _check_same_run(first_path, first, path, checkpoint):
+    """Raise a DataError unless two checkpoints share settings and vocabularies."""
+    a, b = first["config"], checkpoint["config"]
+    keys = sorted((set(a) | set(b)) - {"epochs"})  # resuming may extend the epochs
+    differ = [k for k in keys if a.get(k) != b.get(k)]
+    if differ:
+        listed = ", ".join(f"{k}={a.get(k)!r} vs {b.get(k)!r}" for k in differ)
+        raise DataError(
+            f"{path} and {first_path} have different settings ({listed}); only "
+            "checkpoints of one training run can be averaged."
+        )
+    for side in ("vocab_src", "vocab_tgt", "bpe"):
+        if first.get(side) != checkpoint.get(side):
+            raise DataError(
+                f"{path} and {first_path} have different {side} vocabularies; only "
+                "checkpoints of one training run can be averaged."
+            )
+
+
+def average_checkpoints(paths, out):
+    """Average checkpoints of one run into a new checkpoint `out`; returns the model."""
+    paths = [Path(p) for p in paths]
+    if not paths:
+        raise ValueError("average: name at least one checkpoint to average.")
+    checkpoints = [load_checkpoint(p) for p in paths]
+    for path, checkpoint in zip(paths, checkpoints, strict=True):
+        missing = [key for key in CHECKPOINT_KEYS if key not in checkpoint]
+        if missing:
+            raise DataError(f"{path} is not a model checkpoint (it lacks {missing}).")
+        _check_same_run(paths[0], checkpoints[0], path, checkpoint)
+    first = checkpoints[0]
+    model = model_from_checkpoint(first, path=paths[0])[0]
+    states = [with_positional_tables(c["model"], model) for c in checkpoints]
+    average(model, states)
+    averaged = {
+        "model": without_positional_tables(model.state_dict()),
+        "config": first["config"],
+        "epoch": max(checkpoint.get("epoch", 0) for checkpoint in checkpoints),
+        "vocab_src": first["vocab_src"],
+        "vocab_tgt": first["vocab_tgt"],
+        "averaged_from": [str(path) for path in paths],
+    }
+    if "bpe" in first:  # a subword run: keep its vocabulary
+        averaged["bpe"] = first["bpe"]
+    save_checkpoint(out, averaged)
+    return model

@@ -1,0 +1,346 @@
+"""Training runs on Multi30k: the book's model, loss and loop, run for an hour.
+
+A run trains the book's model with workshop.fast's CPU speed tricks, in bfloat16
+where it pays (workshop.precision), in one process or several
+(workshop.processes), and writes a checkpoint every epoch into its folder
+(workshop.run_folders), stopping before its time limit would pass. train_model is
+the entry; a Job is what one process of a run needs to know.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+import the_annotated_transformer as tat
+from the_annotated_transformer import (
+    PAD,
+    SimpleLossCompute,
+    SubwordVocab,
+    TokenBudgetBatchSampler,
+    TrainState,
+    count_parameters,
+    make_optimizer,
+    prepare_data,
+    run_epoch,
+)
+from workshop import fast, multi30k
+from workshop.checkpoints import (
+    load_checkpoint,
+    load_weights,
+    save_checkpoint,
+    vocabs_from_checkpoint,
+)
+from workshop.precision import Autocast, AutocastLossCompute, amp_dtype_for
+from workshop.processes import (
+    DistributedAutocastLossCompute,
+    DistributedLossCompute,
+    GroupSyncDDP,
+    ShardedBatchSampler,
+    check_nprocs,
+    device_for,
+    epoch_seed,
+    spawn,
+)
+from workshop.run_folders import refuse_existing_run, resume_config, save_epoch
+from workshop.settings import RunConfig
+
+
+def run_vocabs(config, data_dir, vocabs=None):
+    """Check the train and val files against their published digests, and return
+    `vocabs`, else the run's (vocab_src, vocab_tgt) built from the training split:
+    one joint subword vocabulary when vocab is "bpe", the book's word ones else."""
+    config.validate()
+    for split in ("train", "val"):
+        multi30k.verify_split(data_dir, split)
+    if vocabs is not None:
+        return vocabs
+    train = tat.read_split(data_dir, "train")[: config.max_train_pairs]
+    if config.vocab == "bpe":
+        texts = (text for pair in train for text in pair)
+        shared = SubwordVocab.build(texts, config.bpe_vocab_size)
+        return shared, shared
+    spacy_de, spacy_en = tat.load_tokenizers()
+    return tat.build_vocabulary(train, spacy_de, spacy_en, config.min_freq)
+
+
+def prepare_run_data(config, data_dir, vocabs=None):
+    """The book's prepare_data for a run: the files checked against their published
+    digests first, and one joint subword vocabulary learned when vocab is "bpe"."""
+    config.validate()
+    for split in ("train", "val"):
+        multi30k.verify_split(data_dir, split)
+    if vocabs is None and config.vocab == "bpe":
+        vocabs = run_vocabs(config, data_dir)
+    return prepare_data(
+        data_dir,
+        max_len=config.max_len,
+        min_freq=config.min_freq,
+        max_train_pairs=config.max_train_pairs,
+        vocabs=vocabs,
+    )
+
+
+def make_run_model(config, src_vocab, tgt_vocab):
+    """The book's model for `config`, with fast.py's CPU-friendly dropout and fused
+    attention."""
+    model = config.make_model(src_vocab, tgt_vocab)
+    return fast.use_fused_attention(fast.use_fast_dropout(model))
+
+
+def models_for_run(module, amp_dtype=None, distributed=False, device=None):
+    """(the model run_epoch trains, the model it evaluates) around the book's
+    `module`: under Autocast for a bfloat16 amp_dtype, and the trained one in a
+    GroupSyncDDP when `distributed`."""
+    evaluated = module if amp_dtype is None else Autocast(module, amp_dtype)
+    trained = evaluated
+    if distributed:
+        device = torch.device(device or next(module.parameters()).device)
+        ids = [device.index] if device.type == "cuda" else None
+        # The only buffers are the positional-encoding tables, which never change:
+        # nothing to broadcast before each forward pass.
+        trained = GroupSyncDDP(evaluated, device_ids=ids, broadcast_buffers=False)
+    return trained, evaluated
+
+
+def loss_compute_for_run(generator, criterion, amp_dtype=None, distributed=False):
+    """The book's SimpleLossCompute, or the subclass for autocast and/or several
+    processes that models_for_run's models need."""
+    if amp_dtype is None:
+        kind = DistributedLossCompute if distributed else SimpleLossCompute
+        return kind(generator, criterion)
+    kind = DistributedAutocastLossCompute if distributed else AutocastLossCompute
+    return kind(generator, criterion, amp_dtype)
+
+
+@dataclass
+class Job:
+    """What one process of a training run needs to know: the run's settings and
+    folders, and which of the run's processes it is."""
+
+    config: RunConfig
+    data_dir: Path
+    out_dir: Path
+    resume: bool = False  # continue the run in out_dir
+    quiet: bool = False
+    vocabs: tuple | None = None  # (vocab_src, vocab_tgt), built once for every rank
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device | None = None
+
+    @property
+    def distributed(self):
+        return self.world_size > 1
+
+    def say(self, *args):
+        """print, in the main process of a run that is not quiet."""
+        if self.rank == 0 and not self.quiet:
+            print(*args)
+
+
+def train_worker(rank, world_size, job):
+    """Train process `rank` of `world_size` (joining the others when there are
+    several); returns the per-epoch history."""
+    device = device_for(rank, job.device)
+    job = replace(job, rank=rank, world_size=world_size, device=device)
+    if job.distributed:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
+    try:
+        return train(job)
+    finally:
+        if job.distributed:
+            torch.distributed.destroy_process_group()
+
+
+def restore(checkpoint, module, optimizer, scheduler):
+    """Load a run's last.pt into its model, optimizer and schedule; returns the
+    (TrainState, first epoch to train, history, seconds spent) it holds."""
+    load_weights(module, checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    scheduler.load_state_dict(checkpoint["scheduler"])
+    history = list(checkpoint["history"])
+    spent = checkpoint.get("elapsed", 0.0)
+    return (
+        TrainState(**checkpoint["train_state"]),
+        checkpoint["epoch"] + 1,
+        history,
+        spent,
+    )
+
+
+def train(job):
+    """One process's part of the run `job` describes; returns the history."""
+    config, say, device = job.config, job.say, job.device
+    checkpoint = load_checkpoint(job.out_dir / "last.pt") if job.resume else None
+    vocabs = job.vocabs if checkpoint is None else vocabs_from_checkpoint(checkpoint)
+    say(f"reading and tokenizing Multi30k from {job.data_dir} ...")
+    data = prepare_run_data(config, job.data_dir, vocabs)
+    say(
+        f"vocabularies: {len(data.vocab_src)} German, {len(data.vocab_tgt)} English "
+        f"tokens; {len(data.splits['train'])} training pairs; device {device}"
+        + (f" ({torch.get_num_threads()} thread(s))" if device.type == "cpu" else "")
+        + (f" in each of {job.world_size} processes" if job.distributed else "")
+    )
+    for split, n in (data.cut or {}).items():
+        if n:
+            say(f"{split}: {n} pairs longer than max_len={config.max_len} ids were cut")
+    torch.manual_seed(config.seed)
+    sizes = len(data.vocab_src), len(data.vocab_tgt)
+    module = make_run_model(config, *sizes).to(device)  # the book's model, trained
+    optimizer, scheduler = make_optimizer(
+        module, config.base_lr, config.d_model, config.factor, config.warmup
+    )
+    train_state, start_epoch, history, spent = TrainState(), 0, [], 0.0
+    if checkpoint is not None:
+        progress = restore(checkpoint, module, optimizer, scheduler)
+        train_state, start_epoch, history, spent = progress
+        say(
+            f"resuming {job.out_dir / 'last.pt'} (profile {config.profile}): "
+            f"{start_epoch} of {config.epochs} epochs done, {spent / 60:.1f} min spent"
+        )
+    say(f"model: {count_parameters(module):,} parameters")
+    amp = amp_dtype_for(config.bf16, device, say, job.distributed)
+    model, evaluated = models_for_run(module, amp, job.distributed, device)
+    criterion = fast.LabelSmoothing(len(data.vocab_tgt), PAD, config.label_smoothing)
+    loss_compute = loss_compute_for_run(
+        module.generator, criterion, amp, job.distributed
+    )
+    sampler = ShardedBatchSampler(
+        data.lengths("train"),
+        config.max_tokens,
+        seed=config.seed,
+        num_replicas=job.world_size,
+        rank=job.rank,
+    )
+    val_sampler = TokenBudgetBatchSampler(
+        data.lengths("val"), config.max_tokens, shuffle=False
+    )
+    began = time.perf_counter() - spent  # the run's clock, resumed runs included
+    epoch_seconds = history[-1]["seconds"] if history else 0.0
+    last = checkpoint  # what last.pt holds: marked if the time limit stops the run
+    for epoch in range(start_epoch, config.epochs):
+        if out_of_time(job, began, epoch_seconds):
+            stop = (
+                f"time limit: {config.time_limit:g} minutes would pass during epoch "
+                f"{epoch + 1}; stopped after {epoch} of the {config.epochs} epochs."
+            )
+            say(f"{stop} This run is shorter than its profile's budget.")
+            if job.rank == 0 and last is not None:
+                save_checkpoint(job.out_dir / "last.pt", last | {"stopped": stop})
+            break
+        epoch_began = time.perf_counter()
+        sampler.set_epoch(epoch)
+        torch.manual_seed(epoch_seed(config.seed, epoch, job.rank))
+        say(f"epoch {epoch + 1}/{config.epochs}: {len(sampler)} batches per process")
+        tokens_before = train_state.tokens
+        if job.distributed:
+            model.plan_epoch(len(sampler), config.accum_iter)
+        train_loss, train_state = run_epoch(
+            tat.on_device(data.batches("train", sampler), device),
+            model,
+            loss_compute,
+            optimizer,
+            scheduler,
+            mode="train" if job.quiet or job.rank else "train+log",  # main one logs
+            accum_iter=config.accum_iter,
+            train_state=train_state,
+            log_every=config.log_every,
+        )
+        seconds = time.perf_counter() - epoch_began
+        val_nll, _ = run_epoch(
+            tat.on_device(data.batches("val", val_sampler), device),
+            evaluated,
+            loss_compute,
+            mode="eval",
+        )
+        tokens = (train_state.tokens - tokens_before) * job.world_size
+        history.append(epoch_record(epoch, train_loss, val_nll, seconds, tokens, say))
+        if job.rank == 0:
+            progress = {
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "train_state": asdict(train_state),
+                "history": history,
+                "elapsed": time.perf_counter() - began,  # the time limit's clock
+            }
+            last = save_epoch(job.out_dir, config, data, module, epoch, progress)
+        epoch_seconds = time.perf_counter() - epoch_began
+    return history
+
+
+def epoch_record(epoch, train_loss, val_nll, seconds, tokens, say):
+    """The history's entry for one epoch (0-based `epoch`), said in one line."""
+    record = {
+        "epoch": epoch + 1,
+        "train_loss_smoothed": train_loss,
+        "val_nll": val_nll,
+        "val_ppl": math.exp(val_nll),
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+    }
+    say(
+        f"epoch {epoch + 1}: train loss (label-smoothed) {train_loss:.3f} | "
+        f"validation NLL {val_nll:.3f}, perplexity {record['val_ppl']:.2f} | "
+        f"{seconds:.0f} s, {record['tokens_per_s']:.0f} target tokens/s"
+    )
+    return record
+
+
+def out_of_time(job, began, epoch_seconds):
+    """Would one more epoch, as long as the last, end after the time limit?
+
+    The first epoch of a run always starts. Under DDP every process must agree, so
+    the slowest one's answer counts.
+    """
+    if job.config.time_limit is None or epoch_seconds == 0:
+        return False
+    elapsed = time.perf_counter() - began
+    late = torch.tensor(float(elapsed + epoch_seconds > 60 * job.config.time_limit))
+    if job.distributed:
+        late = late.to(job.device)
+        torch.distributed.all_reduce(late, op=torch.distributed.ReduceOp.MAX)
+    return bool(late.item())
+
+
+def train_model(config, data_dir, out_dir, *, resume=False, nprocs=1, quiet=False):
+    """Train on Multi30k in this process, under torchrun, or in `nprocs` processes.
+
+    A new run needs a folder that holds no run; `resume=True` continues the run in
+    `out_dir` (config None: its own settings; otherwise only `epochs` may differ).
+    """
+    out_dir = Path(out_dir)
+    check_nprocs(nprocs)
+    if resume:
+        changes = {} if config is None else config.to_dict()
+        config = resume_config(out_dir, **changes)
+    else:
+        config.validate()
+        refuse_existing_run(
+            out_dir, "continue it with --resume, or give another --out for a new run."
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    job = Job(config, Path(data_dir), out_dir, resume=resume, quiet=quiet)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = device_for(int(os.environ.get("LOCAL_RANK", rank)))
+        return train_worker(rank, world, replace(job, device=local))
+    if nprocs == 1:
+        return train_worker(0, 1, job)
+    # Check the data and build the vocabularies here, once: a bad folder is one line
+    # from this process, and every rank gets the same vocabularies.
+    vocabs = None
+    if resume:
+        vocabs = vocabs_from_checkpoint(load_checkpoint(out_dir / "last.pt"))
+    job.say(f"checking Multi30k in {data_dir} and building the vocabularies ...")
+    spawn(
+        train_worker, nprocs, replace(job, vocabs=run_vocabs(config, data_dir, vocabs))
+    )
+    return load_checkpoint(out_dir / "last.pt")["history"]
