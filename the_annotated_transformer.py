@@ -455,9 +455,9 @@ class DecoderLayer(nn.Module):
 
 
 # %%
-def subsequent_mask(size):
+def subsequent_mask(size, device=None):
     """Mask out future positions: entry [0, i, j] is True iff j <= i."""
-    future = torch.triu(torch.ones(1, size, size, dtype=torch.bool), diagonal=1)
+    future = torch.ones(1, size, size, dtype=torch.bool, device=device).triu(1)
     return ~future
 
 
@@ -1159,7 +1159,7 @@ class Batch:
     @staticmethod
     def make_std_mask(tgt, pad):
         """Hide padding and future words: (batch, tgt_len, tgt_len)."""
-        return padding_mask(tgt, pad) & subsequent_mask(tgt.size(-1)).to(tgt.device)
+        return padding_mask(tgt, pad) & subsequent_mask(tgt.size(-1), tgt.device)
 
     def to(self, device):
         """Move every tensor of the batch to `device` (returns self)."""
@@ -1659,7 +1659,7 @@ def decode_step(model, memory, src_mask, ys, cache=None):
     """Log-probabilities of the next token after the prefixes `ys`: (batch, vocab)."""
     if cache is not None:  # Part 4: only the positions not cached yet are computed
         return cache.step(model, memory, src_mask, ys)
-    tgt_mask = subsequent_mask(ys.size(1)).to(ys.device)
+    tgt_mask = subsequent_mask(ys.size(1), ys.device)
     out = model.decode(memory, src_mask, ys, tgt_mask)
     return model.generator(out[:, -1])
 
@@ -2776,7 +2776,7 @@ def cached_layer(layer, x, memory, src_mask, cache, start):
     self_attn, src_attn = layer.self_attn, layer.src_attn
     # New positions see every earlier position and themselves: rows start.. of the
     # look-ahead mask (with one new position, a row of all True).
-    mask = subsequent_mask(start + x.size(1))[:, start:].to(x.device)
+    mask = subsequent_mask(start + x.size(1), x.device)[:, start:]
 
     def attend_to_prefix(x):
         q, k, v = (self_attn.heads(lin, x) for lin in self_attn.linears[:3])
@@ -3244,10 +3244,10 @@ def attention_weights(translator, sentence):
     tgt_ids = [BOS, *decode_ids(model, [src_ids])[0]]  # the decoder's inputs
     device = next(model.parameters()).device
     src, tgt = (torch.tensor([ids], device=device) for ids in (src_ids, tgt_ids))
-    src_mask, tgt_mask = padding_mask(src, PAD), subsequent_mask(tgt.size(1))
+    src_mask, tgt_mask = padding_mask(src, PAD), subsequent_mask(tgt.size(1), device)
     with evaluating(model), torch.no_grad():  # each layer keeps its weights
         memory = model.encode(src, src_mask)
-        model.decode(memory, src_mask, tgt, tgt_mask.to(device))
+        model.decode(memory, src_mask, tgt, tgt_mask)
     source = translator.vocab_src.lookup_tokens(src_ids)  # <s> ... </s>
     target = translator.vocab_tgt.lookup_tokens(tgt_ids)  # <s> y_1 ... y_m
     enc, dec = model.encoder.layers, model.decoder.layers

@@ -10,6 +10,8 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 from the_annotated_transformer import (
     DATA_ENV,
     MULTI30K_URL,
@@ -46,6 +48,25 @@ def _positive_int(text):
             f"must be a whole number of at least 1, got {text!r}"
         )
     return value
+
+
+def _device(text):
+    """argparse type: a device this machine has ("cpu", "cuda", "cuda:1")."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has no CUDA GPU")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} GPU(s)")
+    return device
+
+
+DEVICE_HELP = "cpu, cuda or cuda:N (default: the GPUs where there are any)"
 
 
 def _numbers(text, flag, kind, example):
@@ -126,9 +147,11 @@ def build_parser():
     train.add_argument(
         "--nprocs", type=_positive_int, default=1, help="spawn K processes"
     )
+    train.add_argument("--device", type=_device, help=DEVICE_HELP)
     train.add_argument("--quiet", action="store_true")
     trans = commands.add_parser("translate", help="translate German sentences")
     trans.add_argument("--checkpoint", required=True, help="a .pt from train")
+    trans.add_argument("--device", type=_device, help=DEVICE_HELP)
     trans.add_argument("sentences", nargs="*", help="sentences (default: stdin)")
     figures = commands.add_parser("figures", help="write the book's charts as PNG")
     figures.add_argument("--out", default="images", help="output folder (images/)")
@@ -286,9 +309,10 @@ def _run_command(args):
             resume=args.resume,
             nprocs=args.nprocs,
             quiet=args.quiet,
+            device=args.device,
         )
     elif args.command == "translate":
-        translator = load_translator(args.checkpoint)
+        translator = load_translator(args.checkpoint, args.device)
         sentences = _sentences_to_translate(args.sentences)
         for line in translator.translate(sentences, **decode_options()):
             print(line)

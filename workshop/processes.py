@@ -131,11 +131,14 @@ def epoch_seed(seed, epoch, rank=0):
 
 
 def device_for(rank, device=None):
-    if device is not None:
-        return torch.device(device)
-    if torch.cuda.is_available():
+    """The device of process `rank`: `device` as given ("cpu", "cuda:1"), a GPU of
+    its own for "cuda" or, when none is named, the GPUs if there are any."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
         return torch.device("cuda", rank % torch.cuda.device_count())
-    return torch.device("cpu")
+    return device
 
 
 def free_port():
@@ -146,39 +149,41 @@ def free_port():
         return s.getsockname()[1]
 
 
-def check_nprocs(nprocs):
-    """Refuse more processes than GPUs (or, without GPUs, than CPU cores)."""
+def check_nprocs(nprocs, device=None):
+    """Refuse more processes than the GPUs of a run on GPUs (the default where there
+    are any) or the cores of a run on the CPU."""
     check_positive_int(nprocs=nprocs)
-    if torch.cuda.is_available():
-        have, what = torch.cuda.device_count(), "GPUs"
+    if device_for(0, device).type == "cuda":
+        have, what, instead = torch.cuda.device_count(), "GPUs", " (or --device cpu)"
     else:
-        have, what = os.cpu_count() or 1, "CPU cores"
+        have, what, instead = os.cpu_count() or 1, "CPU cores", ""
     if nprocs > have:
         raise ValueError(
             f"--nprocs {nprocs}: this machine has {have} {what}; ask for at most "
-            f"{have} processes."
+            f"{have} processes{instead}."
         )
 
 
-def spawn(worker, nprocs, *args):
+def spawn(worker, nprocs, *args, on_cpu=True):
     """Run worker(rank, nprocs, *args) in `nprocs` new processes of this machine,
-    which meet at a free local port, and wait for them all."""
+    which meet at a free local port, and wait for them all. Processes on the CPU
+    share its cores."""
     import torch.multiprocessing as mp
 
     rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     saved = {key: os.environ.get(key) for key in rendezvous}
     os.environ.update({k: v for k, v in rendezvous.items() if saved[k] is None})
     try:
-        mp.spawn(start_process, nprocs=nprocs, args=(worker, nprocs, args))
+        mp.spawn(start_process, nprocs=nprocs, args=(worker, nprocs, args, on_cpu))
     finally:  # leave the caller's environment as it was
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
 
 
-def start_process(rank, worker, world_size, args):
+def start_process(rank, worker, world_size, args, on_cpu=True):
     """One spawned process: on a CPU, its share of the cores (processes with two
     threads each on two cores would take turns), then the worker."""
-    if not torch.cuda.is_available():
+    if on_cpu:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     return worker(rank, world_size, *args)

@@ -36,7 +36,12 @@ from workshop.checkpoints import (
     save_checkpoint,
     vocabs_from_checkpoint,
 )
-from workshop.precision import Autocast, AutocastLossCompute, amp_dtype_for
+from workshop.precision import (
+    Autocast,
+    AutocastLossCompute,
+    amp_dtype_for,
+    use_tf32,
+)
 from workshop.processes import (
     DistributedAutocastLossCompute,
     DistributedLossCompute,
@@ -208,6 +213,7 @@ def train(job):
         )
     say(f"model: {count_parameters(module):,} parameters")
     amp = amp_dtype_for(config.bf16, device, say, job.distributed)
+    use_tf32(device, say)
     model, evaluated = models_for_run(module, amp, job.distributed, device)
     criterion = fast.LabelSmoothing(len(data.vocab_tgt), PAD, config.label_smoothing)
     loss_compute = loss_compute_for_run(
@@ -310,14 +316,18 @@ def out_of_time(job, began, epoch_seconds):
     return bool(late.item())
 
 
-def train_model(config, data_dir, out_dir, *, resume=False, nprocs=1, quiet=False):
+def train_model(
+    config, data_dir, out_dir, *, resume=False, nprocs=1, quiet=False, device=None
+):
     """Train on Multi30k in this process, under torchrun, or in `nprocs` processes.
 
     A new run needs a folder that holds no run; `resume=True` continues the run in
     `out_dir` (config None: its own settings; otherwise only `epochs` may differ).
+    `device` ("cpu", "cuda", "cuda:1") defaults to the GPUs where there are any;
+    several processes on "cuda" take one GPU each.
     """
     out_dir = Path(out_dir)
-    check_nprocs(nprocs)
+    check_nprocs(nprocs, device)
     if resume:
         changes = {} if config is None else config.to_dict()
         config = resume_config(out_dir, **changes)
@@ -327,10 +337,10 @@ def train_model(config, data_dir, out_dir, *, resume=False, nprocs=1, quiet=Fals
             out_dir, "continue it with --resume, or give another --out for a new run."
         )
     out_dir.mkdir(parents=True, exist_ok=True)
-    job = Job(config, Path(data_dir), out_dir, resume=resume, quiet=quiet)
+    job = Job(config, Path(data_dir), out_dir, resume, quiet, device=device)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local = device_for(int(os.environ.get("LOCAL_RANK", rank)))
+        local = device_for(int(os.environ.get("LOCAL_RANK", rank)), device)
         return train_worker(rank, world, replace(job, device=local))
     if nprocs == 1:
         return train_worker(0, 1, job)
@@ -340,7 +350,6 @@ def train_model(config, data_dir, out_dir, *, resume=False, nprocs=1, quiet=Fals
     if resume:
         vocabs = vocabs_from_checkpoint(load_checkpoint(out_dir / "last.pt"))
     job.say(f"checking Multi30k in {data_dir} and building the vocabularies ...")
-    spawn(
-        train_worker, nprocs, replace(job, vocabs=run_vocabs(config, data_dir, vocabs))
-    )
+    job = replace(job, vocabs=run_vocabs(config, data_dir, vocabs))
+    spawn(train_worker, nprocs, job, on_cpu=device_for(0, device).type == "cpu")
     return load_checkpoint(out_dir / "last.pt")["history"]
