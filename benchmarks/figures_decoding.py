@@ -1,0 +1,155 @@
+"""Figure 4: greedy decoding with the key/value cache against without, translating
+in batches against one sentence at a time, and beam search against greedy."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import the_annotated_transformer as tat
+
+# isort: split
+# This folder's modules (bench.py runs as a script, so benchmarks/ is on sys.path).
+from settings import TRANSLATE_BATCH
+from table import Goal, Row
+from timing import median_times
+from workloads import (
+    beam,
+    book_model,
+    greedy,
+    quick_profile_sizes,
+    source_batches,
+    synthetic_pairs,
+)
+
+
+def random_memory(model, batch, src_len=20, seed=0):
+    """The encoder's memory of `batch` random sources: (memory, src_mask)."""
+    rng = torch.Generator().manual_seed(seed)
+    vocab = len(model.src_embed[0])
+    src = torch.randint(4, vocab, (batch, src_len), generator=rng)
+    src_mask = torch.ones(batch, 1, src_len, dtype=torch.bool)
+    with torch.no_grad():
+        return model.encode(src, src_mask), src_mask
+
+
+def greedy_steps(model, memory, src_mask, steps, cache=None):
+    """Greedily generate `steps` tokens after a start symbol (through `cache`, if
+    given, else recomputing every position at every step); returns the ids."""
+    ys = torch.zeros(memory.size(0), 1, dtype=torch.long, device=memory.device)
+    with torch.no_grad():
+        for _ in range(steps):
+            log_probs = tat.decode_step(model, memory, src_mask, ys, cache)
+            ys = torch.cat([ys, log_probs.argmax(-1, keepdim=True)], dim=1)
+    return ys
+
+
+def figure_decoding(ctx):
+    """Greedy decoding with the key/value cache against without."""
+    settings, sizes = ctx.settings, ctx.settings.decode_sizes
+    steps = settings.decode_tokens
+    model = book_model(sizes).eval()
+    rows = []
+    for batch, goal in ((1, Goal(">=", 3.0)), (64, None)):
+        memory, src_mask = random_memory(model, batch)
+
+        def generate(cached, memory=memory, src_mask=src_mask):
+            cache = tat.KVCache(model) if cached else None  # fresh for every call
+            return greedy_steps(model, memory, src_mask, steps, cache)
+
+        fns = {cached: functools.partial(generate, cached) for cached in (False, True)}
+        seconds = median_times(
+            fns, settings.repeats, min_run_time=settings.min_run_time
+        )
+        rows.append(
+            Row(
+                f"greedy_cache_batch{batch}",
+                f"greedy, {steps} tokens, {sizes.label}, batch {batch}: speed-up",
+                seconds[True],
+                "s",
+                "without the cache",
+                seconds[False],
+                seconds[False] / seconds[True],
+                goal,
+                note="value: seconds with the cache",
+            )
+        )
+    return rows
+
+
+def greedy_all(model, batches, max_len):
+    """Greedy-decode every batch to exactly `max_len` ids (no end symbol)."""
+    for batch in batches:
+        greedy(model, batch, max_len)
+
+
+def figure_batching(ctx):
+    """Translating many sentences in batches against one sentence at a time."""
+    settings = ctx.settings
+    sizes, n, k = quick_profile_sizes(), settings.sentences, settings.one_at_a_time
+    model = book_model(sizes).eval()  # random weights: only the time matters
+    sentences = [src for src, _ in synthetic_pairs(n, sizes.vocab)]
+    max_len = settings.decode_tokens + 1  # the start symbol, then the tokens
+    batched = source_batches(sentences, TRANSLATE_BATCH)
+    single = source_batches(sentences[:k], 1)
+    seconds = median_times(
+        {
+            "batched": functools.partial(greedy_all, model, batched, max_len),
+            "single": functools.partial(greedy_all, model, single, max_len),
+        },
+        settings.repeats,
+        settings.warmup,
+    )
+    one_by_one = seconds["single"] / k * n  # extrapolated from k sentences
+    return [
+        Row(
+            "translate_batched",
+            f"translate {n} sentences, {settings.decode_tokens} tokens each, "
+            f"batches of {TRANSLATE_BATCH}: speed-up",
+            seconds["batched"],
+            "s",
+            "one at a time",
+            one_by_one,
+            one_by_one / seconds["batched"],
+            Goal(">=", 5.0),
+            note=(
+                f"quick-profile sizes, random weights, greedy with the cache; one at "
+                f"a time timed on {k} sentences and extrapolated to {n}"
+            ),
+        )
+    ]
+
+
+def figure_beam(ctx):
+    """Beam search (k = 4) against greedy decoding, same sentences and length."""
+    settings = ctx.settings
+    sizes = quick_profile_sizes()
+    model = book_model(sizes).eval()
+    max_len = settings.decode_tokens + 1
+    sentences = [src for src, _ in synthetic_pairs(TRANSLATE_BATCH, sizes.vocab)]
+    rows = []
+    for batch_size in (1, TRANSLATE_BATCH):
+        (batch,) = source_batches(sentences[:batch_size], batch_size)
+        fns = {
+            "greedy": functools.partial(greedy, model, batch, max_len),
+            "beam": functools.partial(beam, model, batch, max_len),
+        }
+        seconds = median_times(
+            fns, settings.repeats, min_run_time=settings.min_run_time
+        )
+        rows.append(
+            Row(
+                f"beam4_batch{batch_size}",
+                f"beam 4, {settings.decode_tokens} tokens, batch {batch_size}: "
+                "time / greedy's",
+                seconds["beam"],
+                "s",
+                "greedy",
+                seconds["greedy"],
+                seconds["beam"] / seconds["greedy"],
+                Goal("<=", 3.0),
+                note="quick-profile sizes, random weights; no end symbol: full length",
+            )
+        )
+    return rows

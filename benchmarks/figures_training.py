@@ -1,0 +1,300 @@
+"""Figures 1 to 3: training throughput against torch.nn.Transformer, bf16 against
+fp32, model FLOP utilisation, and the Multi30k pipeline against the original recipe.
+
+Context, which every figure receives, measures the training runs that figures 1 and
+3 share once, on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import the_annotated_transformer as tat
+
+# isort: split
+# This folder's modules (bench.py runs as a script, so benchmarks/ is on sys.path).
+from settings import MAX_SENTENCE, ORIGINAL_BATCH, ORIGINAL_PADDING, TRAIN_BATCH
+from table import Goal, Row, skipped
+from timing import has_amx_bf16, median_times
+from workloads import (
+    TorchTransformer,
+    bf16_speedup,
+    book_model,
+    chunks,
+    fixed_length_batch,
+    quick_profile,
+    quick_profile_sizes,
+    synthetic_batches,
+    target_tokens,
+    trainer,
+    training_flops,
+)
+
+TRAINING_VARIANTS = {
+    "ours fp32": lambda sizes: (book_model(sizes), None),
+    "nn.Transformer fp32": lambda sizes: (TorchTransformer(sizes), None),
+    "ours bf16": lambda sizes: (book_model(sizes), torch.bfloat16),
+}
+
+
+@dataclass
+class TrainingRuns:
+    """The training variants' timings over the same batches."""
+
+    batches: list  # the Batches of one pass
+    seconds: dict  # variant -> median seconds of one pass
+    parameters: dict  # variant -> trainable parameters
+
+    def tokens_per_s(self, variant):
+        return target_tokens(self.batches) / self.seconds[variant]
+
+
+def measure_training(settings, variants):
+    """Time one training pass over the same batches for each variant, interleaved."""
+    sizes = settings.train_sizes
+    batches = synthetic_batches(settings.train_batches, sizes.vocab)
+    fns, parameters = {}, {}
+    for name in variants:
+        model, amp_dtype = TRAINING_VARIANTS[name](sizes)
+        parameters[name] = tat.count_parameters(model)
+        fns[name] = functools.partial(trainer(model, amp_dtype), batches)
+    seconds = median_times(fns, settings.repeats, settings.warmup)
+    return TrainingRuns(batches, seconds, parameters)
+
+
+class Context:
+    """What the figures share: the settings, the data folder and the training runs."""
+
+    def __init__(self, settings, data_dir, training_variants):
+        self.settings = settings
+        self.data_dir = data_dir
+        self.training_variants = training_variants
+
+    @functools.cached_property
+    def bf16_speedup(self):
+        """The workshop's probe: a float32 matrix product's time over a bf16 one's."""
+        return bf16_speedup()
+
+    @property
+    def bf16_pays(self):
+        """Whether bfloat16 is worth measuring here (the rule `train --bf16` uses)."""
+        return self.bf16_speedup >= 1.0
+
+    def bf16_skipped(self, key, figure):
+        """The row for a bf16 figure on a CPU where the probe found bf16 hopeless."""
+        return skipped(
+            key,
+            figure,
+            f"a bfloat16 matrix product runs at {self.bf16_speedup:.2f}x float32 "
+            "on this CPU, so `train --bf16` trains in float32 here; not measured",
+        )
+
+    @functools.cached_property
+    def training(self):
+        """The TrainingRuns of the variants the figures need, measured on demand."""
+        variants = self.training_variants
+        if "ours bf16" in variants and not self.bf16_pays:
+            variants = tuple(v for v in variants if v != "ours bf16")
+        return measure_training(self.settings, variants)
+
+
+def figure_training(ctx):
+    """Our training step against torch.nn.Transformer, same sizes and batches."""
+    sizes = ctx.settings.train_sizes
+    runs = ctx.training
+    ours, ref = runs.tokens_per_s("ours fp32"), runs.tokens_per_s("nn.Transformer fp32")
+    same = runs.parameters["ours fp32"] == runs.parameters["nn.Transformer fp32"]
+    return [
+        Row(
+            "training_fp32",
+            f"training, {sizes.label}, fp32: target tokens/s",
+            ours,
+            "tok/s",
+            "torch.nn.Transformer",
+            ref,
+            ours / ref,
+            Goal(">=", 1.0),
+            note=(
+                f"batches of {TRAIN_BATCH} ragged sentences <= {MAX_SENTENCE} "
+                f"tokens, vocabularies {sizes.vocab}; parameter counts "
+                f"{'equal' if same else 'DIFFER'}"
+            ),
+        )
+    ]
+
+
+def loss_after(sizes, batches, amp_dtype, window=10):
+    """Mean training loss over the last `window` of len(batches) steps.
+
+    The model starts from the same initialisation (seed 0) and dropout draws (seed 1)
+    whatever `amp_dtype` is, and uses the quick profile's warm-up so that the learning
+    rate is large enough for the loss to move within a hundred steps.
+    """
+    model = book_model(sizes, seed=0)
+    train = trainer(model, amp_dtype, warmup=quick_profile().warmup)
+    torch.manual_seed(1)
+    train(batches[:-window])
+    return train(batches[-window:])  # run_epoch: mean loss per token of the window
+
+
+def figure_bf16(ctx):
+    """bf16 autocast against fp32 (speed), and the loss after 100 steps of each."""
+    sizes, settings = ctx.settings.train_sizes, ctx.settings
+    if not ctx.bf16_pays:
+        return [
+            ctx.bf16_skipped(
+                "training_bf16", f"training, {sizes.label}, bf16 autocast"
+            ),
+            ctx.bf16_skipped("loss_bf16_vs_fp32", "bf16 loss against fp32"),
+        ]
+    fp32 = ctx.training.tokens_per_s("ours fp32")
+    bf16 = ctx.training.tokens_per_s("ours bf16")
+    amx = has_amx_bf16()
+    loss_sizes = quick_profile_sizes()
+    batches = synthetic_batches(settings.loss_steps, loss_sizes.vocab, seed=1)
+    loss32 = loss_after(loss_sizes, batches, None)
+    loss16 = loss_after(loss_sizes, batches, torch.bfloat16)
+    steps = settings.loss_steps
+    return [
+        Row(
+            "training_bf16",
+            f"training, {sizes.label}, bf16 autocast: target tokens/s",
+            bf16,
+            "tok/s",
+            "ours, fp32",
+            fp32,
+            bf16 / fp32,
+            Goal(">=", 1.5) if amx else None,
+            note="" if amx else "no goal here: this CPU has no amx_bf16 (AMX)",
+        ),
+        Row(
+            "loss_bf16_vs_fp32",
+            f"bf16 loss, steps {steps - 9}-{steps}: |bf16 - fp32| / fp32",
+            100 * abs(loss16 - loss32) / loss32,
+            "%",
+            "fp32 loss",
+            loss32,
+            loss16 / loss32,
+            ref_unit="",
+            goal=Goal("<=", 2.0, on="value"),
+            note=(
+                f"sizes {loss_sizes.label} (quick profile; base sizes take too "
+                f"long here), vocabularies {loss_sizes.vocab}, same init and "
+                f"batches; losses {loss32:.4f} fp32, {loss16:.4f} bf16"
+            ),
+        ),
+    ]
+
+
+def matmul_peak(size, dtype, settings):
+    """FLOP/s of a square torch.mm of side `size` in `dtype` (median)."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    fns = {"mm": lambda: torch.mm(a, b)}
+    seconds = median_times(fns, settings.repeats, min_run_time=settings.min_run_time)
+    return 2 * size**3 / seconds["mm"]
+
+
+def figure_mfu(ctx):
+    """Useful training FLOP/s over a matrix-multiply peak of the same dtype."""
+    settings, sizes = ctx.settings, ctx.settings.train_sizes
+    runs = ctx.training
+    flops = training_flops(book_model(sizes), runs.batches)
+    rows = []
+    for variant, dtype in (("ours fp32", torch.float32), ("ours bf16", torch.bfloat16)):
+        name = "fp32" if dtype == torch.float32 else "bf16"
+        figure = f"model FLOP utilisation, {sizes.label}, {name}"
+        if variant not in runs.seconds:
+            rows.append(ctx.bf16_skipped(f"mfu_{name}", figure))
+            continue
+        achieved = flops / runs.seconds[variant]
+        peak = matmul_peak(settings.mm_size, dtype, settings)
+        rows.append(
+            Row(
+                f"mfu_{name}",
+                figure,
+                achieved / 1e9,
+                "GFLOP/s",
+                f"torch.mm {settings.mm_size}^2 {name}",
+                peak / 1e9,
+                achieved / peak,
+                note="useful FLOPs: see training_flops in benchmarks/workloads.py",
+            )
+        )
+    return rows
+
+
+def pipeline_recipes(data, config, n):
+    """The first `n` training batches of the token budget and of the original
+    recipe (ORIGINAL_BATCH pairs in corpus order, padded to ORIGINAL_PADDING)."""
+    sampler = tat.TokenBudgetBatchSampler(
+        data.lengths("train"), config.max_tokens, seed=config.seed
+    )
+    pairs = data.splits["train"][: n * ORIGINAL_BATCH]
+    return {
+        "token budget": list(itertools.islice(data.batches("train", sampler), n)),
+        "original": [
+            fixed_length_batch(chunk, ORIGINAL_PADDING)
+            for chunk in chunks(pairs, ORIGINAL_BATCH)
+        ],
+    }
+
+
+def figure_pipeline(ctx):
+    """Token-budget batches against the original recipe on Multi30k, same model."""
+    figure = "Multi30k pipeline: non-padding target tokens/s"
+    if ctx.data_dir is None:
+        reason = "no data: set ANNOTATED_TRANSFORMER_DATA or pass --data"
+        return [skipped("pipeline", figure, reason)]
+    if not Path(ctx.data_dir).is_dir():
+        return [skipped("pipeline", figure, f"{ctx.data_dir} is not a folder")]
+    settings, config = ctx.settings, quick_profile()
+    n = settings.pipeline_batches
+    data = tat.prepare_data(
+        ctx.data_dir,
+        splits=("train",),
+        max_len=config.max_len,
+        min_freq=config.min_freq,
+    )
+    recipes = pipeline_recipes(data, config, n)
+    fns = {}
+    for name, batches in recipes.items():
+        torch.manual_seed(config.seed)
+        model = config.make_model(len(data.vocab_src), len(data.vocab_tgt))
+        train = trainer(model, smoothing=config.label_smoothing, warmup=config.warmup)
+        train(batches[: settings.warmup])  # warm-up: a batch, not the whole pass
+        fns[name] = functools.partial(train, batches)
+    seconds = median_times(fns, settings.repeats)
+    speed = {name: target_tokens(recipes[name]) / seconds[name] for name in recipes}
+    padding = {name: 100 * tat.padding_fraction(b) for name, b in recipes.items()}
+    return [
+        Row(
+            "pipeline",
+            figure,
+            speed["token budget"],
+            "tok/s",
+            "original recipe",
+            speed["original"],
+            speed["token budget"] / speed["original"],
+            Goal(">=", 3.0),
+            note=(
+                f"first {n} training batches, quick-profile model; token budget "
+                f"{config.max_tokens}; original: {ORIGINAL_BATCH} pairs a batch in "
+                f"corpus order, padded to {ORIGINAL_PADDING}"
+            ),
+        ),
+        Row(
+            "pipeline_padding",
+            "Multi30k pipeline: padding fraction of target positions",
+            padding["token budget"],
+            "%",
+            "original recipe",
+            padding["original"],
+            padding["token budget"] / padding["original"],
+        ),
+    ]

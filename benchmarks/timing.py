@@ -1,0 +1,92 @@
+"""How the benchmark times things, and a line that says which machine timed them.
+
+Every figure is a ratio of two times taken in the same run on this machine: the
+machines are shared and absolute times drift.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils import benchmark
+
+# isort: split
+# This folder's modules (bench.py runs as a script, so benchmarks/ is on sys.path).
+from settings import ROOT
+
+
+def median_times(fns, repeats, warmup=0, min_run_time=None):
+    """Median seconds of one call of each function in the dict `fns`.
+
+    Each of `repeats` rounds times every function once, so drift in the machine's
+    speed hits them all alike; `warmup` untimed rounds come first. With
+    `min_run_time` (short work: a matrix product, a decoding run), a round times a
+    function with torch.utils.benchmark's blocked_autorange: an untimed call sizes
+    its blocks, then blocks of calls run for `min_run_time` seconds. Without (work of
+    seconds: a training pass, a fresh process), a round times one call, as that
+    untimed call would double the cost.
+    """
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            if min_run_time is None:
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+            else:
+                timer = benchmark.Timer(
+                    "fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()
+                )
+                times[name] += timer.blocked_autorange(min_run_time=min_run_time).times
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def fresh_process_time(code):
+    """Seconds to run `python -c code` in a new process from the project root."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+    return time.perf_counter() - start
+
+
+@functools.cache
+def cpu_info():
+    """(model name, set of flags) of the first CPU in /proc/cpuinfo."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return name, flags
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and name != value.strip():
+            name = value.strip()
+        elif key.strip() == "flags":
+            flags = set(value.split())
+            break
+    return name, flags
+
+
+def has_amx_bf16():
+    """Whether this CPU has AMX bfloat16 matrix instructions (`amx_bf16`)."""
+    return "amx_bf16" in cpu_info()[1]
+
+
+def machine():
+    """A one-line description of this machine."""
+    name, _ = cpu_info()
+    return (
+        f"{name}, {os.cpu_count()} cores, amx_bf16: "
+        f"{'yes' if has_amx_bf16() else 'no'}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
+    )

@@ -1,0 +1,224 @@
+"""What the figures run: the book's model and torch.nn.Transformer at given sizes,
+synthetic sentences, the book's training and decoding, and a FLOP count.
+
+Every name the benchmark takes from workshop/ is imported here, and only here.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+from torch import nn
+
+# The book and workshop/ are found through PYTHONPATH, which `make bench` sets to the
+# repository root (PYTHONPATH=. .venv/bin/python benchmarks/bench.py by hand).
+import the_annotated_transformer as tat
+from workshop import fast
+from workshop.precision import bf16_matmul_speedup
+from workshop.settings import RunConfig
+from workshop.training import loss_compute_for_run, models_for_run
+from workshop.translation import beam_search
+
+# isort: split
+# This folder's modules (bench.py runs as a script, so benchmarks/ is on sys.path).
+from settings import MAX_SENTENCE, NEVER, TRAIN_BATCH, Sizes
+
+
+def quick_profile():
+    """The settings of a training run's "quick" profile (RunConfig)."""
+    return RunConfig.from_profile("quick")
+
+
+def quick_profile_sizes(vocab=8000):
+    """The quick profile's model sizes (3 layers, d_model=128)."""
+    config = quick_profile()
+    return Sizes(config.N, config.d_model, config.d_ff, config.h, vocab)
+
+
+def bf16_speedup():
+    """The workshop's probe: a float32 matrix product's time over a bfloat16 one's."""
+    return bf16_matmul_speedup("cpu")
+
+
+def book_model(sizes, seed=0):
+    """The book's model at `sizes`, initialised from `seed`, with the dropout and the
+    fused attention that training runs use (workshop.fast)."""
+    torch.manual_seed(seed)
+    model = tat.make_model(
+        sizes.vocab, sizes.vocab, sizes.N, sizes.d_model, sizes.d_ff, sizes.h
+    )
+    return fast.use_fused_attention(fast.use_fast_dropout(model))
+
+
+class TorchTransformer(nn.Module):
+    """torch.nn.Transformer between the book's embeddings and generator.
+
+    It takes the book's arguments (ids and boolean "may attend" masks) so that the
+    book's run_epoch, SimpleLossCompute and make_optimizer drive it unchanged.
+    """
+
+    def __init__(self, sizes, dropout=0.1):
+        super().__init__()
+        d_model, vocab = sizes.d_model, sizes.vocab
+        embed = nn.Sequential(
+            tat.Embeddings(d_model, vocab), tat.PositionalEncoding(d_model, dropout)
+        )
+        self.src_embed, self.tgt_embed = embed, copy.deepcopy(embed)
+        with warnings.catch_warnings():  # "enable_nested_tensor ... norm_first"
+            warnings.simplefilter("ignore", UserWarning)
+            self.transformer = nn.Transformer(
+                d_model,
+                sizes.h,
+                sizes.N,
+                sizes.N,
+                sizes.d_ff,
+                dropout,
+                activation="relu",
+                batch_first=True,
+                norm_first=True,  # as make_model's default
+            )
+        self.generator = tat.Generator(d_model, vocab)
+        for p in self.parameters():  # Xavier, as make_model initialises
+            if p.dim() > 1:
+                nn.init.xavier_uniform_(p)
+
+    def forward(self, src, tgt, src_mask, tgt_mask):
+        src_padding = ~src_mask[:, 0]  # (batch, src_len), True where padding
+        tgt_padding = ~tgt_mask[:, -1]  # the last row of the mask only hides padding
+        future = ~tat.subsequent_mask(tgt.size(1))[0]  # (tgt_len, tgt_len)
+        return self.transformer(
+            self.src_embed(src),
+            self.tgt_embed(tgt),
+            tgt_mask=future.to(tgt.device),
+            src_key_padding_mask=src_padding,
+            tgt_key_padding_mask=tgt_padding,
+            memory_key_padding_mask=src_padding,
+            tgt_is_causal=True,
+        )
+
+
+def chunks(items, size):
+    """Consecutive slices of `items` of `size` (the last may be shorter)."""
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def zipf_ids(n, vocab, generator):
+    """`n` word ids in 4..vocab-1, drawn with probability 1/rank as words in text."""
+    weights = 1.0 / torch.arange(1, vocab - 3, dtype=torch.float)
+    return (4 + torch.multinomial(weights, n, True, generator=generator)).tolist()
+
+
+def synthetic_pairs(n, vocab, max_len=MAX_SENTENCE, seed=0):
+    """`n` (source, target) id lists, <s> words </s>, of random lengths 3..max_len."""
+    rng = torch.Generator().manual_seed(seed)
+    pairs = []
+    for _ in range(n):
+        src_len, tgt_len = torch.randint(3, max_len + 1, (2,), generator=rng).tolist()
+        pairs.append(
+            tuple(
+                [tat.BOS, *zipf_ids(length - 2, vocab, rng), tat.EOS]
+                for length in (src_len, tgt_len)
+            )
+        )
+    return pairs
+
+
+def synthetic_batches(n, vocab, batch_size=TRAIN_BATCH, seed=0):
+    """`n` Batches of `batch_size` ragged sentence pairs, padded with the book's PAD."""
+    pairs = synthetic_pairs(n * batch_size, vocab, seed=seed)
+    return [tat.collate_batch(chunk) for chunk in chunks(pairs, batch_size)]
+
+
+def fixed_length_batch(examples, length, pad=tat.PAD):
+    """A Batch of (src_ids, tgt_ids) pairs, every sentence padded to `length` ids."""
+
+    def padded(side):
+        ids = torch.full((len(examples), length), pad, dtype=torch.long)
+        for row, example in enumerate(examples):
+            ids[row, : len(example[side])] = torch.tensor(example[side][:length])
+        return ids
+
+    return tat.Batch(padded(0), padded(1), pad)
+
+
+def target_tokens(batches):
+    """Non-padding target tokens in `batches`."""
+    return sum(b.ntokens for b in batches)
+
+
+def trainer(model, amp_dtype=None, smoothing=0.1, warmup=4000):
+    """A function that trains `model` on a list of Batches as the book's training does.
+
+    LabelSmoothing (workshop.fast's, as training runs use) + SimpleLossCompute +
+    make_optimizer, through run_epoch; the function returns run_epoch's mean loss per
+    target token. A bfloat16 amp_dtype wraps the model and the loss as training runs
+    do (the workshop's Autocast and AutocastLossCompute).
+    """
+    d_model, vocab = model.generator.proj.in_features, model.generator.proj.out_features
+    criterion = fast.LabelSmoothing(vocab, tat.PAD, smoothing)
+    loss_compute = loss_compute_for_run(model.generator, criterion, amp_dtype)
+    trained, _ = models_for_run(model, amp_dtype)
+    optimizer, scheduler = tat.make_optimizer(model, model_size=d_model, warmup=warmup)
+
+    def train(batches):
+        loss, _ = tat.run_epoch(
+            iter(batches), trained, loss_compute, optimizer, scheduler, mode="train"
+        )
+        return loss
+
+    return train
+
+
+def training_flops(model, batches):
+    """Useful FLOPs of one training pass of `model` over `batches`.
+
+    Per sentence with s source and t target tokens (padding excluded: it is work, but
+    not useful work), over N layers of width d:
+
+        6 * (P_enc * s + (P_dec + P_gen) * t)      matrix multiplies by the weights
+      + 12 * N * d * (s^2 + t^2 + s*t)             attention scores and mixing
+
+    P_enc, P_dec, P_gen are the weight-matrix parameters of the encoder, decoder and
+    generator (embedding lookups are not multiplies). A forward pass multiplies and
+    adds once per weight per token (2 FLOPs); the backward pass costs twice that,
+    hence 6. Each attention layer forms Q K^T and weights V, 2 * L_q * L_k * d FLOPs
+    each forward, 3 times that with backward: 12 * L_q * L_k * d, for encoder self-
+    attention (s * s), decoder self-attention (t * t, the causal half included) and
+    cross-attention (t * s).
+    """
+
+    def matrices(module):
+        return sum(p.numel() for p in module.parameters() if p.dim() == 2)
+
+    p_enc, p_dec = matrices(model.encoder), matrices(model.decoder)
+    p_gen = matrices(model.generator)
+    n_layers, d_model = len(model.encoder.layers), model.generator.proj.in_features
+    flops = 0
+    for batch in batches:
+        s = batch.src_mask[:, 0].sum(-1).double()  # (batch,) real source tokens
+        t = (batch.tgt_y != tat.PAD).sum(-1).double()  # (batch,) real target tokens
+        matmuls = 6 * (p_enc * s + (p_dec + p_gen) * t)
+        attention = 12 * n_layers * d_model * (s * s + t * t + s * t)
+        flops += float((matmuls + attention).sum())
+    return flops
+
+
+def source_batches(sentences, batch_size):
+    """Batches of source id lists, as the book's decode_ids collates them."""
+    return [
+        tat.collate_batch([(ids, [tat.BOS, tat.EOS]) for ids in chunk])
+        for chunk in chunks(sentences, batch_size)
+    ]
+
+
+def greedy(model, batch, max_len):
+    """The book's greedy decoding with the cache, to exactly `max_len` ids."""
+    return tat.cached_greedy_decode(model, batch.src, batch.src_mask, max_len, tat.BOS)
+
+
+def beam(model, batch, max_len, beam_size=4):
+    """The workshop's batched beam search, every hypothesis to `max_len` ids."""
+    args = (model, batch.src, batch.src_mask, max_len, tat.BOS, NEVER)
+    return beam_search(*args, beam_size=beam_size, pad_symbol=tat.PAD)
