@@ -97,8 +97,7 @@ def test_quick_run_prints_and_writes_every_figure(tmp_path):
     result = subprocess.run(
         [*command, "--json", str(out), "--data", str(data)],
         cwd=REPO_ROOT,
-        # One thread: two would wait on each other on a busy shared CPU (minutes).
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
         capture_output=True,
         text=True,
         timeout=600,

@@ -649,6 +649,7 @@ def base_model_unshared():
     return tat.make_model(37000, 37000)
 
 
+@pytest.mark.first_pass_only  # counts and imports: no kernel in them
 def test_base_model_with_shared_weights_has_about_65_million_parameters(
     base_model_shared,
 ):
@@ -660,6 +661,7 @@ def test_base_model_with_shared_weights_has_about_65_million_parameters(
     assert count == expected
 
 
+@pytest.mark.first_pass_only  # counts and imports: no kernel in them
 def test_base_model_without_sharing_has_the_parameter_count_computed_by_hand(
     base_model_unshared,
 ):
@@ -964,6 +966,7 @@ def test_make_model_rejects_bad_sizes_with_a_message_naming_the_argument(
 # ---------------------------------------------------------------------------------
 
 
+@pytest.mark.first_pass_only  # counts and imports: no kernel in them
 def test_importing_the_module_prints_nothing():
     result = run_python("import the_annotated_transformer")
     assert result.returncode == 0, result.stderr
@@ -971,6 +974,7 @@ def test_importing_the_module_prints_nothing():
     assert result.stderr == ""
 
 
+@pytest.mark.first_pass_only  # counts and imports: no kernel in them
 def test_importing_the_module_does_not_import_plotting_or_language_tools():
     heavy = ["altair", "pandas", "spacy", "sacrebleu"]
     assert loaded_by_importing_the_book(heavy) == []

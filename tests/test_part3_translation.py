@@ -3,8 +3,8 @@
 They follow the order of the book: reading the data, tokenizers, vocabularies,
 batching with a token budget, translating, and the notebook's data folder. The
 workshop package's side of Part 3 (downloads, training runs, checkpoints, the command
-line) is tested in tests/test_workshop_multi30k.py, tests/test_workshop_runs.py and
-tests/test_cli.py.
+line) is tested in tests/test_workshop_multi30k.py, tests/test_workshop_training.py,
+tests/test_workshop_checkpoints.py and tests/test_cli.py.
 
 The Multi30k files are found through $ANNOTATED_TRANSFORMER_DATA (`make test` sets
 it). Without it these tests are skipped on a laptop, but fail in CI (CI=true), so

@@ -3,9 +3,10 @@
 A joint byte-level BPE vocabulary learned from the training split, its use in Part 3's
 pipeline (data, encoding), and one matrix for both embeddings and the generator. The
 workshop's side (a run's subword data, vocabulary files, settings, checkpoints, runs
-end to end, the command-line switches) is tested in tests/test_workshop_runs.py and
-tests/test_cli.py. Like Part 3's tests, they find Multi30k through
-$ANNOTATED_TRANSFORMER_DATA: skipped on a laptop without it, failing in CI.
+end to end, the command-line switches) is tested in tests/test_workshop_settings.py,
+tests/test_workshop_training.py and tests/test_cli.py. Like Part 3's tests, they find
+Multi30k through $ANNOTATED_TRANSFORMER_DATA: skipped on a laptop without it, failing
+in CI.
 """
 
 import unicodedata

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from export_html import export_html, load_module
+from load import load_module
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BOOK = REPO_ROOT / "the_annotated_transformer.py"
@@ -116,11 +116,12 @@ def _cell_failed(cell):
 
 def build_site(out):
     """Build the site into `out`; return the path of its index.html."""
-    import jupytext
-    import nbformat
-
     out = Path(out).resolve()
     profile = check_environment(os.environ)
+    import jupytext  # the notebook tools, a second of imports: after the checks
+    import nbformat
+    from export_html import export_html
+
     building = out.with_name(out.name + ".building")
     shutil.rmtree(building, ignore_errors=True)
     building.mkdir(parents=True)

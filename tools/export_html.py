@@ -13,14 +13,13 @@ headless Chromium.
 
 import argparse
 import base64
-import importlib.util
 import mimetypes
 import re
-import sys
 from importlib.resources import files
 from pathlib import Path
 
 import nbformat
+from load import load_module
 from nbconvert import HTMLExporter
 from nbconvert.preprocessors import Preprocessor
 
@@ -31,16 +30,6 @@ NOTEBOOKS = REPO_ROOT / "notebooks"
 # MathJax's single-file builds; the template inlines tex-svg-full.js, which holds every
 # TeX extension (nothing left to load on demand) and draws glyphs as SVG (no fonts).
 MATHJAX_ES5 = files("mathjax") / "static" / "mathjax" / "es5"
-
-
-def load_module(name, path):
-    """Import the Python file `path` as module `name` (tools run from tools/, so the
-    repository root is not on sys.path; nothing is added to it)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 # The workshop's one way to write a file (standard library only).

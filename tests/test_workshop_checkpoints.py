@@ -1,0 +1,132 @@
+"""Checkpoint and vocabulary files (workshop.checkpoints): vocabularies saved and
+read back, checkpoints saved without the positional tables, and averaging the
+checkpoints of one run."""
+
+import json
+
+import pytest
+import torch
+from conftest import (
+    names_in,
+    tiny_checkpoint,
+)
+
+import the_annotated_transformer as tat
+from workshop import (
+    checkpoints,
+)
+from workshop.multi30k import DataError
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+
+# ---------------------------------------------------------------------------
+# Vocabulary files
+
+
+def test_vocab_round_trips_through_a_json_file(tmp_path):
+    vocab = tat.Vocab.build([["Männer", "Ufer", "Männer", "Ufer", "."]] * 2)
+    path = tmp_path / "vocab.json"
+    checkpoints.save_vocab(vocab, path)
+    assert json.loads(path.read_text(encoding="utf-8")) == {"itos": vocab.itos}
+    loaded = checkpoints.load_vocab(path)
+    assert loaded.get_itos() == vocab.get_itos()
+    assert loaded.get_stoi() == vocab.get_stoi()
+    assert names_in(tmp_path) == ["vocab.json"]  # no temporary file left
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"itos": ["<s>", "</s>"',  # cut short
+        '{"words": ["<s>", "</s>", "<blank>", "<unk>"]}',  # no itos
+        '{"itos": ["Hund"]}',  # no specials
+        '["<s>", "</s>", "<blank>", "<unk>"]',  # not an object
+    ],
+)
+def test_loading_a_file_that_is_not_a_saved_vocab_raises_data_error(tmp_path, text):
+    path = tmp_path / "vocab.json"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(DataError, match="vocab.json"):
+        checkpoints.load_vocab(path)
+
+
+def test_loading_a_missing_vocab_file_raises_data_error(tmp_path):
+    with pytest.raises(DataError, match="nowhere.json"):
+        checkpoints.load_vocab(tmp_path / "nowhere.json")
+
+
+def test_subword_vocab_round_trips_through_a_json_file(bpe, tmp_path):
+    path = tmp_path / "bpe.json"
+    checkpoints.save_vocab(bpe, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bpe.json"]  # no temp file
+    loaded = checkpoints.load_vocab(path)
+    assert loaded.tokenizer.to_str() == bpe.tokenizer.to_str()
+    assert loaded.get_itos() == bpe.get_itos()
+    text = "Zwei Männer stehen am Ufer."
+    assert loaded.encode(text) == bpe.encode(text)
+    assert checkpoints.subword_vocab_from_json(bpe.tokenizer.to_str()).encode(
+        text
+    ) == bpe.encode(text)
+
+
+@pytest.mark.parametrize("text", ["not json", '{"model": {"type": "BPE"}}'])
+def test_loading_a_file_that_is_not_a_saved_subword_vocab_raises_data_error(
+    tmp_path, text
+):
+    path = tmp_path / "bpe.json"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(DataError, match="bpe.json"):
+        checkpoints.load_vocab(path)
+    with pytest.raises(DataError, match="missing.json"):
+        checkpoints.load_vocab(tmp_path / "missing.json")
+
+
+# ---------------------------------------------------------------------------
+# Averaging checkpoints
+
+
+def test_average_checkpoints_saves_the_mean_in_the_epoch_checkpoint_format(tmp_path):
+    first = tiny_checkpoint(tmp_path / "epoch_004.pt", seed=1, epoch=3)
+    second = tiny_checkpoint(tmp_path / "epoch_005.pt", seed=2, epoch=4)
+    paths = [tmp_path / "epoch_004.pt", tmp_path / "epoch_005.pt"]
+    model = checkpoints.average_checkpoints(paths, tmp_path / "average.pt")
+    saved = checkpoints.load_checkpoint(tmp_path / "average.pt")
+    assert saved["config"] == first["config"] and saved["epoch"] == 4
+    assert saved["vocab_src"] == saved["vocab_tgt"] == first["vocab_src"]
+    assert set(saved["model"]) == set(first["model"])  # no .pe tables stored
+    for name, tensor in saved["model"].items():
+        mean = (first["model"][name] + second["model"][name]) / 2
+        torch.testing.assert_close(tensor, mean, rtol=0, atol=1e-7)
+        assert torch.equal(model.state_dict()[name], tensor), name
+    rebuilt, *_ = checkpoints.model_from_checkpoint(saved)
+    assert torch.equal(rebuilt.generator.proj.weight, model.generator.proj.weight)
+    assert not list(tmp_path.glob(".*tmp*"))  # the atomic write left nothing behind
+
+
+def test_average_checkpoints_accepts_a_run_resumed_with_more_epochs(tmp_path):
+    tiny_checkpoint(tmp_path / "a.pt", seed=1, epochs=3)
+    tiny_checkpoint(tmp_path / "b.pt", seed=2, epochs=5)
+    checkpoints.average_checkpoints(
+        [tmp_path / "a.pt", tmp_path / "b.pt"], tmp_path / "m.pt"
+    )
+    assert (tmp_path / "m.pt").is_file()
+
+
+def test_average_checkpoints_refuses_checkpoints_with_different_settings(tmp_path):
+    tiny_checkpoint(tmp_path / "a.pt", seed=1)
+    tiny_checkpoint(tmp_path / "b.pt", seed=2, d_ff=128)
+    with pytest.raises(DataError, match=r"d_ff=64 vs 128"):
+        checkpoints.average_checkpoints(
+            [tmp_path / "a.pt", tmp_path / "b.pt"], tmp_path / "m.pt"
+        )
+    assert not (tmp_path / "m.pt").exists()
+
+
+def test_average_checkpoints_refuses_checkpoints_with_different_vocabularies(tmp_path):
+    tiny_checkpoint(tmp_path / "a.pt", seed=1)
+    tiny_checkpoint(tmp_path / "b.pt", seed=2, words=["a", "cat", "runs", "."])
+    with pytest.raises(DataError, match="vocab_src vocabularies"):
+        checkpoints.average_checkpoints(
+            [tmp_path / "a.pt", tmp_path / "b.pt"], tmp_path / "m.pt"
+        )
