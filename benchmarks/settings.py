@@ -57,7 +57,6 @@ class Settings:
 # A smoke run: every figure's code runs, at sizes too small to quote.
 QUICK = Settings(
     repeats=1,
-    warmup=0,
     min_run_time=0.05,
     train_sizes=SMALL,
     loss_steps=12,
