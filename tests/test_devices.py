@@ -281,6 +281,18 @@ def test_decoding_and_training_make_no_tensor_on_the_host_but_the_allowed():
     assert audit.calls - ALLOWED == set()
 
 
+def test_the_notebooks_copy_task_examples_make_no_tensor_on_the_host(capsys):
+    """The copy-task cell decodes five sequences and then one step by step: on a GPU,
+    a source or a mask made on the host there would meet the model on the device."""
+    config = tat.CopyTaskConfig(N=1, d_model=32, d_ff=64, h=4)
+    model = tat.make_model(config.vocab, config.vocab, N=1, d_model=32, d_ff=64, h=4)
+    with FactoryAudit() as audit:
+        src, _ = tat.copy_examples(model, config, n=5)
+        tat.print_decoding_steps(model, src[:1])
+    assert audit.calls == set()
+    assert capsys.readouterr().out.count("-> next") == config.seq_len - 1
+
+
 class HostWaits(TorchDispatchMode):
     """Counts the reads of a tensor's value by the host (on a GPU, each waits for
     the device to finish its queue)."""
