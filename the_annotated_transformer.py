@@ -3395,6 +3395,7 @@ show_example(example_attention_maps)
 # | 2018/2022 notebook | Here |
 # |---|---|
 # | `greedy_decode(model, src, src_mask, max_len, start_symbol)`: one sentence | the same call, for a batch; `end_symbol` stops each sentence, `cache` uses Part 4's cache |
+# | `subsequent_mask(size)`, on the CPU | the same call; `subsequent_mask(size, device)` makes it where the model runs |
 # | `run_epoch(..., mode, accum_iter, train_state)`: printed in `"train+log"` mode, returned the criterion in `"eval"` mode | the same call; also `log_every`; `"eval"` returns the NLL when the loss computation has `nll` (ours has) |
 # | `DummyOptimizer`, `DummyScheduler` | gone: `run_epoch` needs no optimizer in `"eval"` mode |
 # | `show_example(fn, args=[])`, `execute_example` | `show_example(fn, *args, **kwargs)` |
