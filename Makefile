@@ -154,14 +154,18 @@ site: $(STAMP) $(NEEDS_DATA)
 # the kernel search path (a `python3` kernel of the user's own cannot shadow it;
 # a JUPYTER_PATH already set is kept after it).
 # jupytext's server extension, installed with it, pairs the .py and the notebook.
-# Nothing is fetched at run time: no news feed, no update check, no extension store.
+# Nothing is fetched at run time: no news feed, no update check, no extension store,
+# and no question about the news on first open (tools/lab/overrides.json, the
+# settings JupyterLab reads from its folder in the venv).
 # Jupyter prints the URL, token included; LAB_OPTIONS=--no-browser opens no browser.
 # answer_yes: one Ctrl-C stops the server, without Jupyter's "Shut down (y/[n])?".
 LAB_PORT ?= 8888
+LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings
 LAB_OPTIONS ?=
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 lab: $(LAB_STAMP) $(NEEDS_DATA)
+	@mkdir -p $(LAB_SETTINGS) && cp tools/lab/overrides.json $(LAB_SETTINGS)/
 	@echo "Starting JupyterLab on the book; open the URL it prints. Ctrl-C stops it."
 	JUPYTER_PATH="$(abspath $(VENV))/share/jupyter$${JUPYTER_PATH:+:$$JUPYTER_PATH}" \
 		$(BIN)/jupyter lab \

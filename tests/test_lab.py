@@ -43,6 +43,7 @@ CHECKOUT_FILES = [
     "requirements.txt",
     "requirements-dev.txt",
     "requirements-lab.txt",
+    "tools/lab/overrides.json",
     BOOK,
     NOTEBOOK,
 ]
@@ -234,6 +235,24 @@ def test_the_book_opens_in_jupyterlab_in_a_browser(lab, chromium, tmp_path):
     config = json.loads(dom.select_one("#jupyter-config-data").get_text())
     extensions = {extension["name"] for extension in config["federated_extensions"]}
     assert "jupyterlab-jupytext" in extensions
+
+
+def test_jupyterlab_asks_nothing_about_the_news_and_checks_for_no_update(lab):
+    """The settings `make lab` hands JupyterLab: news never fetched (so it does not
+    ask on first open whether to fetch them) and no update check."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{lab['port']}/lab/api/settings/"
+        "@jupyterlab/apputils-extension:notification",
+        headers={"Authorization": f"token {lab['token']}"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        answer = json.loads(response.read())
+    # The overrides become the defaults of the plugin's schema; no user setting
+    # (none in this test's fresh Jupyter folders) takes their place.
+    defaults = {k: v.get("default") for k, v in answer["schema"]["properties"].items()}
+    assert answer["settings"] == {}, answer["settings"]
+    assert defaults["fetchNews"] == "false"  # JupyterLab's own default, "none", asks
+    assert defaults["checkForUpdates"] is False
 
 
 def test_the_py_opens_as_the_same_notebook(lab):
