@@ -9,6 +9,14 @@ machines are shared and absolute times drift. The table says which machine it ca
     benchmarks/bench.py --quick              a smoke run: small sizes, one repeat
     benchmarks/bench.py --only decoding,beam selected figures (names: see --help)
     benchmarks/bench.py --json out.json      where to write the figures as JSON
+    benchmarks/bench.py --device cuda:1      where to measure: cpu, cuda or cuda:N
+                                             (default: cuda if there is one, else cpu)
+
+Every figure measures on the one device: models and batches are made there (or moved
+there once) before anything is timed, and every clock waits for the device's queued
+work. On a GPU the bf16 figures run where it has bfloat16 hardware, the matrix-multiply
+peak is the GPU's, and the memory figure reports GPU memory allocated instead of
+resident memory; the import figure is host work on any device.
 
 A full run writes benchmarks/results.json; a `--quick` or `--only` run writes JSON
 only when `--json` is given, so it never overwrites the full figures. `--quick`
@@ -28,6 +36,8 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
+
+import torch
 
 import the_annotated_transformer as tat
 
@@ -66,6 +76,27 @@ FIGURE_NEEDS = {  # the training variants each figure reads from Context.trainin
 }
 
 
+def bench_device(parser, text):
+    """--device as a torch.device (None: tat.default_device()), with a CUDA index;
+    exits with one line on stderr when this machine does not have it."""
+    try:
+        device = tat.default_device() if text is None else torch.device(text)
+    except RuntimeError:  # not a device torch knows
+        device = None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device is None or device.type not in ("cpu", "cuda"):
+        problem = f"{text!r} is not cpu, cuda or cuda:N"
+    elif device.type == "cpu":
+        return device
+    elif count == 0:
+        problem = "CUDA is not available on this machine; use --device cpu"
+    elif (device.index or 0) >= count:
+        problem = f"this machine has cuda:0 to cuda:{count - 1}"
+    else:
+        return torch.device("cuda", device.index or 0)
+    parser.exit(2, f"{parser.prog}: error: argument --device: {problem}\n")
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run")
@@ -82,7 +113,11 @@ def parse_args(argv):
         default=tat.data_dir_from_env(),
         help=f"the Multi30k folder (default: ${tat.DATA_ENV})",
     )
+    parser.add_argument(
+        "--device", help="cpu, cuda or cuda:N (default: cuda if there is one, else cpu)"
+    )
     args = parser.parse_args(argv)
+    args.device = bench_device(parser, args.device)
     names = args.only.split(",") if args.only else list(FIGURES)
     unknown = [name for name in names if name not in FIGURES]
     if unknown:
@@ -97,8 +132,10 @@ def main(argv=None):
     variants = tuple(
         dict.fromkeys(v for name in args.names for v in FIGURE_NEEDS.get(name, ()))
     )
-    ctx = Context(settings, args.data, variants)
-    print(f"machine: {machine()}", flush=True)
+    if args.device.type == "cuda":  # the current device, which the Timer waits for
+        torch.cuda.set_device(args.device)
+    ctx = Context(settings, args.data, variants, args.device)
+    print(f"machine: {machine(args.device)}", flush=True)
     if args.quick:
         print(
             "--quick: a smoke run (smaller sizes, one repeat); not figures to quote",
@@ -113,7 +150,8 @@ def main(argv=None):
     path = args.json or (DEFAULT_JSON if full else None)
     if path:
         results = {
-            "machine": machine(),
+            "machine": machine(args.device),
+            "device": str(args.device),
             "amx_bf16": has_amx_bf16(),
             "settings": asdict(settings) | {"quick": args.quick},
             "figures": {row.key: row.to_json() for row in rows},

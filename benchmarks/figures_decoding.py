@@ -25,11 +25,12 @@ from workloads import (
 
 
 def random_memory(model, batch, src_len=20, seed=0):
-    """The encoder's memory of `batch` random sources: (memory, src_mask)."""
-    rng = torch.Generator().manual_seed(seed)
+    """The encoder's memory of `batch` random sources, on the model's device:
+    (memory, src_mask). The sources are drawn on the CPU, the same on every device."""
+    rng, device = torch.Generator().manual_seed(seed), next(model.parameters()).device
     vocab = len(model.src_embed[0])
-    src = torch.randint(4, vocab, (batch, src_len), generator=rng)
-    src_mask = torch.ones(batch, 1, src_len, dtype=torch.bool)
+    src = torch.randint(4, vocab, (batch, src_len), generator=rng).to(device)
+    src_mask = torch.ones(batch, 1, src_len, dtype=torch.bool, device=device)
     with torch.no_grad():
         return model.encode(src, src_mask), src_mask
 
@@ -49,7 +50,7 @@ def figure_decoding(ctx):
     """Greedy decoding with the key/value cache against without."""
     settings, sizes = ctx.settings, ctx.settings.decode_sizes
     steps = settings.decode_tokens
-    model = book_model(sizes).eval()
+    model = book_model(sizes, device=ctx.device).eval()
     rows = []
     for batch, goal in ((1, Goal(">=", 3.0)), (64, None)):
         memory, src_mask = random_memory(model, batch)
@@ -88,11 +89,11 @@ def figure_batching(ctx):
     """Translating many sentences in batches against one sentence at a time."""
     settings = ctx.settings
     sizes, n, k = quick_profile_sizes(), settings.sentences, settings.one_at_a_time
-    model = book_model(sizes).eval()  # random weights: only the time matters
+    model = book_model(sizes, device=ctx.device).eval()  # random weights: only time
     sentences = [src for src, _ in synthetic_pairs(n, sizes.vocab)]
     max_len = settings.decode_tokens + 1  # the start symbol, then the tokens
-    batched = source_batches(sentences, TRANSLATE_BATCH)
-    single = source_batches(sentences[:k], 1)
+    batched = source_batches(sentences, TRANSLATE_BATCH, ctx.device)
+    single = source_batches(sentences[:k], 1, ctx.device)
     seconds = median_times(
         {
             "batched": functools.partial(greedy_all, model, batched, max_len),
@@ -100,6 +101,7 @@ def figure_batching(ctx):
         },
         settings.repeats,
         settings.warmup,
+        device=ctx.device,
     )
     one_by_one = seconds["single"] / k * n  # extrapolated from k sentences
     return [
@@ -125,12 +127,12 @@ def figure_beam(ctx):
     """Beam search (k = 4) against greedy decoding, same sentences and length."""
     settings = ctx.settings
     sizes = quick_profile_sizes()
-    model = book_model(sizes).eval()
+    model = book_model(sizes, device=ctx.device).eval()
     max_len = settings.decode_tokens + 1
     sentences = [src for src, _ in synthetic_pairs(TRANSLATE_BATCH, sizes.vocab)]
     rows = []
     for batch_size in (1, TRANSLATE_BATCH):
-        (batch,) = source_batches(sentences[:batch_size], batch_size)
+        (batch,) = source_batches(sentences[:batch_size], batch_size, ctx.device)
         fns = {
             "greedy": functools.partial(greedy, model, batch, max_len),
             "beam": functools.partial(beam, model, batch, max_len),

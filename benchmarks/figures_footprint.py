@@ -1,6 +1,8 @@
 """Figures 5 and 6: what the book costs to start and to hold. Import time against
-importing torch alone, the copy task's wall time (and how many seeds copy exactly),
-and the peak memory of a training step against that after import.
+importing torch alone (host work, whatever the device), the copy task's wall time on
+the bench's device (and how many seeds copy exactly), and the peak memory of a
+training step: resident memory against that after import on the CPU, GPU memory
+allocated against the model's and the batch's on a GPU.
 
 Run as a script (`figures_footprint.py SPEC`), it is the fresh process whose memory
 figure 6 reads.
@@ -13,9 +15,10 @@ import json
 import resource
 import subprocess
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
+
+import torch
 
 import the_annotated_transformer as tat
 
@@ -23,7 +26,7 @@ import the_annotated_transformer as tat
 # This folder's modules (bench.py runs as a script, so benchmarks/ is on sys.path).
 from settings import MAX_SENTENCE, ROOT, TRAIN_BATCH, Sizes
 from table import Goal, Row
-from timing import fresh_process_time, median_times
+from timing import fresh_process_time, median_times, timed_call
 from workloads import (
     book_model,
     quick_profile,
@@ -33,17 +36,20 @@ from workloads import (
 )
 
 
-def copy_task_by_seed(settings):
-    """Per seed: how many of 200 held-out sequences come back exactly, and seconds."""
+def copy_task_by_seed(settings, device):
+    """Per seed: how many of 200 held-out sequences come back exactly, and seconds
+    (training on `device` and decoding there)."""
     copies, seconds = {}, {}
     for seed in settings.copy_seeds:
         config = tat.CopyTaskConfig(seed=seed)
         if settings.copy_epochs is not None:
             config = tat.CopyTaskConfig(epochs=settings.copy_epochs, seed=seed)
-        start = time.perf_counter()
-        model, _ = tat.train_copy_task(config, quiet=True, device="cpu")
-        src, out = tat.copy_examples(model, config, n=200)
-        seconds[seed] = time.perf_counter() - start
+
+        def train_and_copy(config=config):
+            model, _ = tat.train_copy_task(config, quiet=True, device=device)
+            return tat.copy_examples(model, config, n=200)
+
+        (src, out), seconds[seed] = timed_call(train_and_copy, device)
         copies[seed] = int((src == out).all(dim=1).sum())
         print(f"  copy task, seed {seed}: {copies[seed]}/200 exact", file=sys.stderr)
     return copies, seconds
@@ -60,7 +66,7 @@ def figure_startup(ctx):
         settings.repeats,
         settings.warmup,
     )
-    copies, copy_seconds = copy_task_by_seed(settings)
+    copies, copy_seconds = copy_task_by_seed(settings, ctx.device)
     exact = all(n == 200 for n in copies.values())
     config = tat.CopyTaskConfig()
     epochs = config.epochs if settings.copy_epochs is None else settings.copy_epochs
@@ -109,22 +115,36 @@ def max_rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+MEMORY = {  # device type -> (what figure 6 measures, its reference)
+    "cpu": ("peak resident memory", "after import"),
+    "cuda": ("peak GPU memory allocated", "model and batch"),
+}
+
+
 def memory_probe(spec):
-    """Run in a fresh process: peak RSS after import, and after two training steps."""
-    sizes = Sizes(**spec["sizes"])
+    """Run in a fresh process: the baseline, and the peak after two training steps.
+    On the CPU, resident memory (the baseline: after import); on a GPU, the memory
+    allocated there (the baseline: the model's and the batch's)."""
+    sizes, device = Sizes(**spec["sizes"]), torch.device(spec["device"])
     baseline = max_rss_mib()
-    batches = synthetic_batches(1, sizes.vocab, batch_size=spec["batch_size"])
-    train = trainer(book_model(sizes))
+    batches = synthetic_batches(1, sizes.vocab, spec["batch_size"], device=device)
+    model = book_model(sizes, device=device)
+    gpu = device.type == "cuda"
+    if gpu:
+        baseline = torch.cuda.memory_allocated(device) / 2**20
+    train = trainer(model)
     train(batches)
     train(batches)  # the second step: the optimizer's state exists by now
-    print(json.dumps({"baseline_mib": baseline, "peak_mib": max_rss_mib()}))
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if gpu else max_rss_mib()
+    print(json.dumps({"baseline_mib": baseline, "peak_mib": peak}))
 
 
-def measure_memory(sizes, batch_size):
-    """{"baseline_mib", "peak_mib"} of a training step, from a fresh process."""
-    spec = json.dumps({"sizes": asdict(sizes), "batch_size": batch_size})
+def measure_memory(sizes, batch_size, device):
+    """{"baseline_mib", "peak_mib"} of a training step on `device`, from a fresh
+    process."""
+    spec = dict(sizes=asdict(sizes), batch_size=batch_size, device=str(device))
     result = subprocess.run(
-        [sys.executable, __file__, spec],
+        [sys.executable, __file__, json.dumps(spec)],
         cwd=ROOT,
         check=True,
         capture_output=True,
@@ -134,7 +154,7 @@ def measure_memory(sizes, batch_size):
 
 
 def figure_memory(ctx):
-    """Peak resident memory of a base-size and of a quick-profile training step."""
+    """Peak memory (MEMORY) of a base-size and of a quick-profile training step."""
     max_tokens = quick_profile().max_tokens
     cases = (
         ("memory_base", ctx.settings.train_sizes, TRAIN_BATCH, "figure 1's batches"),
@@ -145,20 +165,21 @@ def figure_memory(ctx):
             f"a batch of the profile's {max_tokens}-token budget",
         ),
     )
+    measured, reference = MEMORY[ctx.device.type]
     rows = []
     for key, sizes, batch_size, batch_text in cases:
-        rss = measure_memory(sizes, batch_size)
+        memory = measure_memory(sizes, batch_size, ctx.device)
         rows.append(
             Row(
                 key,
-                f"peak resident memory, training step, {sizes.label}",
-                rss["peak_mib"],
+                f"{measured}, training step, {sizes.label}",
+                memory["peak_mib"],
                 "MiB",
-                "after import",
-                rss["baseline_mib"],
-                rss["peak_mib"] / rss["baseline_mib"],
+                reference,
+                memory["baseline_mib"],
+                memory["peak_mib"] / memory["baseline_mib"],
                 note=(
-                    f"{rss['peak_mib'] - rss['baseline_mib']:,.0f} MiB over the "
+                    f"{memory['peak_mib'] - memory['baseline_mib']:,.0f} MiB over the "
                     f"baseline; {batch_size} sentences <= {MAX_SENTENCE} tokens "
                     f"({batch_text}), vocabularies {sizes.vocab}, Adam"
                 ),

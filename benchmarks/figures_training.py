@@ -1,8 +1,8 @@
 """Figures 1 to 3: training throughput against torch.nn.Transformer, bf16 against
 fp32, model FLOP utilisation, and the Multi30k pipeline against the original recipe.
 
-Context, which every figure receives, measures the training runs that figures 1 and
-3 share once, on first use.
+Context, which every figure receives, holds the device every figure measures on and
+measures the training runs that figures 1 and 3 share once, on first use.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import the_annotated_transformer as tat
 # This folder's modules (bench.py runs as a script, so benchmarks/ is on sys.path).
 from settings import MAX_SENTENCE, ORIGINAL_BATCH, ORIGINAL_PADDING, TRAIN_BATCH
 from table import Goal, Row, skipped
-from timing import has_amx_bf16, median_times
+from timing import CPU, has_amx_bf16, median_times
 from workloads import (
     TorchTransformer,
-    bf16_speedup,
+    bf16_pays,
     book_model,
     chunks,
     fixed_length_batch,
@@ -35,10 +35,10 @@ from workloads import (
     training_flops,
 )
 
-TRAINING_VARIANTS = {
-    "ours fp32": lambda sizes: (book_model(sizes), None),
-    "nn.Transformer fp32": lambda sizes: (TorchTransformer(sizes), None),
-    "ours bf16": lambda sizes: (book_model(sizes), torch.bfloat16),
+TRAINING_VARIANTS = {  # name -> (sizes, device) -> (the model on device, amp_dtype)
+    "ours fp32": lambda s, device: (book_model(s, device=device), None),
+    "nn.Transformer fp32": lambda s, device: (TorchTransformer(s).to(device), None),
+    "ours bf16": lambda s, device: (book_model(s, device=device), torch.bfloat16),
 }
 
 
@@ -54,44 +54,46 @@ class TrainingRuns:
         return target_tokens(self.batches) / self.seconds[variant]
 
 
-def measure_training(settings, variants):
+def measure_training(settings, variants, device=CPU):
     """Time one training pass over the same batches for each variant, interleaved."""
     sizes = settings.train_sizes
-    batches = synthetic_batches(settings.train_batches, sizes.vocab)
+    batches = synthetic_batches(settings.train_batches, sizes.vocab, device=device)
     fns, parameters = {}, {}
     for name in variants:
-        model, amp_dtype = TRAINING_VARIANTS[name](sizes)
+        model, amp_dtype = TRAINING_VARIANTS[name](sizes, device)
         parameters[name] = tat.count_parameters(model)
         fns[name] = functools.partial(trainer(model, amp_dtype), batches)
-    seconds = median_times(fns, settings.repeats, settings.warmup)
+    seconds = median_times(fns, settings.repeats, settings.warmup, device=device)
     return TrainingRuns(batches, seconds, parameters)
 
 
 class Context:
-    """What the figures share: the settings, the data folder and the training runs."""
+    """What the figures share: the settings, the data folder, the training variants
+    they need, the device (torch.device) they measure on, and the training runs."""
 
-    def __init__(self, settings, data_dir, training_variants):
+    def __init__(self, settings, data_dir, training_variants, device=CPU):
         self.settings = settings
         self.data_dir = data_dir
         self.training_variants = training_variants
+        self.device = device
 
     @functools.cached_property
-    def bf16_speedup(self):
-        """The workshop's probe: a float32 matrix product's time over a bf16 one's."""
-        return bf16_speedup()
+    def bf16(self):
+        """(whether bfloat16 is worth measuring on the device, why): the rule
+        `train --bf16` uses (workshop.precision.bf16_pays)."""
+        return bf16_pays(self.device)
 
     @property
     def bf16_pays(self):
-        """Whether bfloat16 is worth measuring here (the rule `train --bf16` uses)."""
-        return self.bf16_speedup >= 1.0
+        """Whether the bf16 figures are measured."""
+        return self.bf16[0]
 
     def bf16_skipped(self, key, figure):
-        """The row for a bf16 figure on a CPU where the probe found bf16 hopeless."""
+        """The row for a bf16 figure on a device where bfloat16 does not pay."""
         return skipped(
             key,
             figure,
-            f"a bfloat16 matrix product runs at {self.bf16_speedup:.2f}x float32 "
-            "on this CPU, so `train --bf16` trains in float32 here; not measured",
+            f"{self.bf16[1]}, so `train --bf16` trains in float32 here; not measured",
         )
 
     @functools.cached_property
@@ -100,7 +102,7 @@ class Context:
         variants = self.training_variants
         if "ours bf16" in variants and not self.bf16_pays:
             variants = tuple(v for v in variants if v != "ours bf16")
-        return measure_training(self.settings, variants)
+        return measure_training(self.settings, variants, self.device)
 
 
 def figure_training(ctx):
@@ -128,14 +130,14 @@ def figure_training(ctx):
     ]
 
 
-def loss_after(sizes, batches, amp_dtype, window=10):
+def loss_after(sizes, batches, amp_dtype, window=10, device=CPU):
     """Mean training loss over the last `window` of len(batches) steps.
 
     The model starts from the same initialisation (seed 0) and dropout draws (seed 1)
     whatever `amp_dtype` is, and uses the quick profile's warm-up so that the learning
     rate is large enough for the loss to move within a hundred steps.
     """
-    model = book_model(sizes, seed=0)
+    model = book_model(sizes, seed=0, device=device)
     train = trainer(model, amp_dtype, warmup=quick_profile().warmup)
     torch.manual_seed(1)
     train(batches[:-window])
@@ -144,7 +146,7 @@ def loss_after(sizes, batches, amp_dtype, window=10):
 
 def figure_bf16(ctx):
     """bf16 autocast against fp32 (speed), and the loss after 100 steps of each."""
-    sizes, settings = ctx.settings.train_sizes, ctx.settings
+    sizes, settings, device = ctx.settings.train_sizes, ctx.settings, ctx.device
     if not ctx.bf16_pays:
         return [
             ctx.bf16_skipped(
@@ -154,11 +156,13 @@ def figure_bf16(ctx):
         ]
     fp32 = ctx.training.tokens_per_s("ours fp32")
     bf16 = ctx.training.tokens_per_s("ours bf16")
-    amx = has_amx_bf16()
+    hardware = device.type == "cuda" or has_amx_bf16()  # bf16_pays: a GPU has it
     loss_sizes = quick_profile_sizes()
-    batches = synthetic_batches(settings.loss_steps, loss_sizes.vocab, seed=1)
-    loss32 = loss_after(loss_sizes, batches, None)
-    loss16 = loss_after(loss_sizes, batches, torch.bfloat16)
+    batches = synthetic_batches(
+        settings.loss_steps, loss_sizes.vocab, seed=1, device=device
+    )
+    loss32 = loss_after(loss_sizes, batches, None, device=device)
+    loss16 = loss_after(loss_sizes, batches, torch.bfloat16, device=device)
     steps = settings.loss_steps
     return [
         Row(
@@ -169,8 +173,8 @@ def figure_bf16(ctx):
             "ours, fp32",
             fp32,
             bf16 / fp32,
-            Goal(">=", 1.5) if amx else None,
-            note="" if amx else "no goal here: this CPU has no amx_bf16 (AMX)",
+            Goal(">=", 1.5) if hardware else None,
+            note="" if hardware else "no goal here: this CPU has no amx_bf16 (AMX)",
         ),
         Row(
             "loss_bf16_vs_fp32",
@@ -191,10 +195,10 @@ def figure_bf16(ctx):
     ]
 
 
-def matmul_peak(size, dtype, settings):
-    """FLOP/s of a square torch.mm of side `size` in `dtype` (median)."""
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
+def matmul_peak(size, dtype, settings, device=CPU):
+    """FLOP/s of a square torch.mm of side `size` in `dtype` on `device` (median)."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
     fns = {"mm": lambda: torch.mm(a, b)}
     seconds = median_times(fns, settings.repeats, min_run_time=settings.min_run_time)
     return 2 * size**3 / seconds["mm"]
@@ -213,7 +217,7 @@ def figure_mfu(ctx):
             rows.append(ctx.bf16_skipped(f"mfu_{name}", figure))
             continue
         achieved = flops / runs.seconds[variant]
-        peak = matmul_peak(settings.mm_size, dtype, settings)
+        peak = matmul_peak(settings.mm_size, dtype, settings, ctx.device)
         rows.append(
             Row(
                 f"mfu_{name}",
@@ -261,15 +265,19 @@ def figure_pipeline(ctx):
         max_len=config.max_len,
         min_freq=config.min_freq,
     )
-    recipes = pipeline_recipes(data, config, n)
+    recipes = {  # moved to the device once, before anything is timed
+        name: [batch.to(ctx.device) for batch in batches]
+        for name, batches in pipeline_recipes(data, config, n).items()
+    }
     fns = {}
     for name, batches in recipes.items():
         torch.manual_seed(config.seed)
-        model = config.make_model(len(data.vocab_src), len(data.vocab_tgt))
+        vocabs = len(data.vocab_src), len(data.vocab_tgt)
+        model = config.make_model(*vocabs).to(ctx.device)
         train = trainer(model, smoothing=config.label_smoothing, warmup=config.warmup)
         train(batches[: settings.warmup])  # warm-up: a batch, not the whole pass
         fns[name] = functools.partial(train, batches)
-    seconds = median_times(fns, settings.repeats)
+    seconds = median_times(fns, settings.repeats, device=ctx.device)
     speed = {name: target_tokens(recipes[name]) / seconds[name] for name in recipes}
     padding = {name: 100 * tat.padding_fraction(b) for name, b in recipes.items()}
     return [

@@ -1,7 +1,9 @@
 """How the benchmark times things, and a line that says which machine timed them.
 
 Every figure is a ratio of two times taken in the same run on this machine: the
-machines are shared and absolute times drift.
+machines are shared and absolute times drift. On a GPU the work is queued, so a
+stopwatch waits for the device before it starts and before it stops
+(torch.utils.benchmark's Timer does the same for the current device).
 """
 
 from __future__ import annotations
@@ -22,8 +24,25 @@ from torch.utils import benchmark
 # This folder's modules (bench.py runs as a script, so benchmarks/ is on sys.path).
 from settings import ROOT
 
+CPU = torch.device("cpu")
 
-def median_times(fns, repeats, warmup=0, min_run_time=None):
+
+def synchronize(device):
+    """Wait for the work queued on `device` (a CUDA device; on the CPU: nothing)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_call(fn, device=CPU):
+    """(fn(), its wall seconds), the work it queued on `device` included."""
+    synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    synchronize(device)
+    return result, time.perf_counter() - start
+
+
+def median_times(fns, repeats, warmup=0, min_run_time=None, device=CPU):
     """Median seconds of one call of each function in the dict `fns`.
 
     Each of `repeats` rounds times every function once, so drift in the machine's
@@ -32,7 +51,8 @@ def median_times(fns, repeats, warmup=0, min_run_time=None):
     function with torch.utils.benchmark's blocked_autorange: an untimed call sizes
     its blocks, then blocks of calls run for `min_run_time` seconds. Without (work of
     seconds: a training pass, a fresh process), a round times one call, as that
-    untimed call would double the cost.
+    untimed call would double the cost. Work queued on `device` counts (the Timer
+    waits for the current CUDA device, which bench.py sets to `--device`).
     """
     for _ in range(warmup):
         for fn in fns.values():
@@ -41,9 +61,7 @@ def median_times(fns, repeats, warmup=0, min_run_time=None):
     for _ in range(repeats):
         for name, fn in fns.items():
             if min_run_time is None:
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
+                times[name].append(timed_call(fn, device)[1])
             else:
                 timer = benchmark.Timer(
                     "fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()
@@ -54,9 +72,9 @@ def median_times(fns, repeats, warmup=0, min_run_time=None):
 
 def fresh_process_time(code):
     """Seconds to run `python -c code` in a new process from the project root."""
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
-    return time.perf_counter() - start
+    command = [sys.executable, "-c", code]
+    _, seconds = timed_call(lambda: subprocess.run(command, cwd=ROOT, check=True))
+    return seconds
 
 
 @functools.cache
@@ -82,11 +100,12 @@ def has_amx_bf16():
     return "amx_bf16" in cpu_info()[1]
 
 
-def machine():
-    """A one-line description of this machine."""
+def machine(device=CPU):
+    """A one-line description of this machine, and of the GPU `device` if CUDA."""
     name, _ = cpu_info()
+    gpu = f"GPU {torch.cuda.get_device_name(device)}, " if device.type == "cuda" else ""
     return (
-        f"{name}, {os.cpu_count()} cores, amx_bf16: "
+        f"{gpu}{name}, {os.cpu_count()} cores, amx_bf16: "
         f"{'yes' if has_amx_bf16() else 'no'}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads"
     )

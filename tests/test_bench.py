@@ -3,16 +3,20 @@ with, and that a `--quick` smoke run prints and writes every figure. The modules
 benchmarks/ import each other by name (bench.py runs as a script, which puts its
 folder on sys.path), so the tests put that folder on sys.path too."""
 
+import dataclasses
 import importlib
 import itertools
 import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import HANDMADE_PAIRS, REPO_ROOT, write_split
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
 import the_annotated_transformer as tat
 
@@ -48,6 +52,127 @@ def test_median_times_interleaves_the_functions_round_by_round(bench_module):
     calls.clear()
     timing.median_times(fns, repeats=2, min_run_time=0.001)  # blocks of calls
     assert [name for name, _ in itertools.groupby(calls)] == ["a", "b", "a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("cuda_devices", "argument", "expected"),  # expected: the device or the error
+    [
+        (0, None, torch.device("cpu")),
+        (0, "cuda", "CUDA is not available on this machine; use --device cpu"),
+        (2, None, torch.device("cuda", 0)),
+        (2, "cuda:1", torch.device("cuda", 1)),
+        (2, "cuda:2", "this machine has cuda:0 to cuda:1"),
+        (2, "gpu", "'gpu' is not cpu, cuda or cuda:N"),
+    ],
+)
+def test_device_option_defaults_to_cuda_if_any_and_refuses_a_missing_one_in_a_line(
+    bench_module, monkeypatch, capsys, cuda_devices, argument, expected
+):
+    bench = bench_module("bench")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_devices > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: cuda_devices)
+    argv = [] if argument is None else ["--device", argument]
+    if isinstance(expected, torch.device):
+        assert bench.parse_args(argv).device == expected
+        return
+    with pytest.raises(SystemExit) as exit_status:
+        bench.main(argv)
+    assert exit_status.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()  # one line, no usage or traceback
+    assert line.endswith(f": error: argument --device: {expected}")
+
+
+def test_timed_call_synchronizes_a_cuda_device_just_around_the_work(
+    bench_module, monkeypatch
+):
+    """The clock starts after the device's queued work is done and stops after the
+    work's own is. Nothing else may touch CUDA: this machine has none."""
+    timing = bench_module("timing")
+    events, ticks = [], itertools.count()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: events.append(device))
+    clock = SimpleNamespace(perf_counter=lambda: events.append("clock") or next(ticks))
+    monkeypatch.setattr(timing, "time", clock)
+    gpu = torch.device("cuda", 0)
+    assert timing.timed_call(lambda: events.append("work") or 7, gpu) == (7, 1)
+    assert events == [gpu, "clock", "work", gpu, "clock"]
+    events.clear()
+    timing.median_times({"a": lambda: events.append("work")}, repeats=1, device=gpu)
+    assert events == [gpu, "clock", "work", gpu, "clock"]
+    events.clear()
+    timing.timed_call(lambda: events.append("work"), torch.device("cpu"))
+    assert events == ["clock", "work", "clock"]
+
+
+class DevicesSeen(TorchFunctionMode):
+    """Records the device of every tensor a torch function takes or returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.devices = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = pytree.tree_leaves((args, kwargs, out))
+        self.devices |= {x.device for x in leaves if isinstance(x, torch.Tensor)}
+        return out
+
+
+def test_training_models_and_batches_are_made_on_the_bench_device(bench_module):
+    """On the meta device (shapes, no values): every parameter, buffer and batch
+    tensor lands there, and each model's forward pass touches no other device."""
+    workloads, training = bench_module("workloads"), bench_module("figures_training")
+    sizes = bench_module("settings").Sizes(N=1, d_model=32, d_ff=64, h=4, vocab=50)
+    meta = torch.device("meta")
+    (batch,) = workloads.synthetic_batches(1, sizes.vocab, batch_size=4, device=meta)
+    tensors = [v for v in vars(batch).values() if torch.is_tensor(v)]
+    seen = DevicesSeen()
+    for make in training.TRAINING_VARIANTS.values():
+        model, _ = make(sizes, meta)
+        tensors += [*model.parameters(), *model.buffers()]
+        with seen:
+            model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
+    assert {t.device for t in tensors} == seen.devices == {meta}
+
+
+def test_timed_decoding_and_matmul_peak_touch_only_the_bench_device(
+    bench_module, monkeypatch
+):
+    """The decoding figures and the matrix-multiply peak run on the meta device, and
+    every tensor their timed calls touch is there: no model, source, memory, cache or
+    mask stays behind on the CPU, and nothing is copied to the device per step."""
+    settings, timing = bench_module("settings"), bench_module("timing")
+    training, decoding = (
+        bench_module("figures_training"),
+        bench_module("figures_decoding"),
+    )
+    seen = DevicesSeen()
+
+    def watched(fn):
+        def call():
+            with seen:
+                return fn()
+
+        return call
+
+    def median_times_seen(fns, *args, **kwargs):  # the timed calls, not the Timer's
+        fns = {name: watched(fn) for name, fn in fns.items()}
+        return timing.median_times(fns, *args, **kwargs)
+
+    for module in (training, decoding):
+        monkeypatch.setattr(module, "median_times", median_times_seen)
+    quick = dataclasses.replace(
+        settings.QUICK,
+        decode_sizes=settings.Sizes(N=1, d_model=32, d_ff=64, h=4, vocab=50),
+        min_run_time=0.001,
+        decode_tokens=3,
+        sentences=4,
+        one_at_a_time=1,
+    )
+    ctx = training.Context(quick, None, (), torch.device("meta"))
+    decoding.figure_decoding(ctx)
+    decoding.figure_batching(ctx)
+    training.matmul_peak(8, torch.float32, quick, ctx.device)
+    assert seen.devices == {torch.device("meta")}
 
 
 def test_greedy_steps_go_through_the_cache_they_are_given(bench_module):
