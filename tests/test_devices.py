@@ -216,11 +216,9 @@ FACTORIES = {
 
 # (function, where): each made on the host on purpose.
 ALLOWED = {
-    # After the search, each sentence's best ids are gathered into one batch, which
-    # moves to the device once.
+    # After the book's search, each sentence's best ids are gathered into one batch,
+    # which moves to the device once.
     ("beam_search", "tensor"),
-    ("best_hypotheses", "full"),
-    ("best_hypotheses", "tensor"),
     # The copy task's sequences are drawn by a generator on the host, so that every
     # device trains on the same ones; each batch moves to the device once.
     ("data_gen", "randint"),
@@ -343,3 +341,34 @@ def test_tf32_is_used_on_gpus_that_have_it(device, capability, expected, monkeyp
     finally:
         torch.set_float32_matmul_precision(before)
     assert used == (expected == "high") == (len(said) == 1)
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the tensors the host reads (tolist, item, bool, int, float) and the
+    tensors it makes from Python numbers (torch.tensor): on a GPU, a wait and a
+    copy each."""
+
+    READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__}
+    READS |= {torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = self.copies = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.reads += func in self.READS
+        self.copies += func is torch.tensor
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_batched_beam_search_reads_and_copies_once_a_step():
+    """Each step reads its candidates once and copies the chosen ones back once;
+    a hypothesis that ends is read once more, to keep its ids, and the best ids of
+    every sentence go to the device in one copy at the end."""
+    model, src = cpu_model().eval(), torch.randint(2, VOCAB, (3, 7))
+    mask = tat.padding_mask(src, PAD)
+    never, k, steps = VOCAB + 1, 2, 5  # no hypothesis ends before the last step
+    with HostReads() as host:
+        translation.beam_search(model, src, mask, steps + 1, START, never, beam_size=k)
+    ended = src.size(0) * k  # at the last step, every sentence's k hypotheses
+    assert (host.reads, host.copies) == (steps + ended, steps + 1)

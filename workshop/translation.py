@@ -86,15 +86,19 @@ def advance_beams(ys, scores, log_probs, step, finished, last, k, end, pad, alph
     B, vocab = scores.size(0), log_probs.size(-1)
     total = (scores.unsqueeze(-1) + log_probs.view(B, k, vocab)).view(B, -1)
     top_scores, top_ids = total.topk(min(2 * k, total.size(1)), dim=-1)
+    # One read by the host a step, and one copy back: float64 holds the float32
+    # scores and the ids (below 2**53) exactly.
+    top = torch.stack([top_scores.double(), top_ids.double()]).tolist()
     chosen = []  # (row, token, score), k per sentence
-    for b, (s, i) in enumerate(zip(top_scores.tolist(), top_ids.tolist(), strict=True)):
+    for b, (s, i) in enumerate(zip(*top, strict=True)):
+        i = [int(flat) for flat in i]
         beam = next_beam(b, (s, i, vocab), ys, step, finished, last, k, end, alpha)
         chosen += beam + [(b * k, pad, float("-inf"))] * (k - len(beam))  # dead rows
-    rows, tokens, new_scores = zip(*chosen, strict=True)
-    rows = torch.tensor(rows, device=ys.device)
-    tokens = torch.tensor(tokens, device=ys.device, dtype=ys.dtype).unsqueeze(1)
-    ys = torch.cat([ys[rows], tokens], dim=1)
-    return ys, torch.tensor(new_scores, device=ys.device).view(B, k), rows
+    chosen = torch.tensor(chosen, dtype=torch.float64, device=ys.device)
+    rows, tokens, new_scores = chosen.T
+    rows = rows.long()
+    ys = torch.cat([ys[rows], tokens.to(ys.dtype).unsqueeze(1)], dim=1)
+    return ys, new_scores.float().view(B, k), rows
 
 
 def best_hypotheses(finished, n_best, pad_symbol, src):
@@ -102,11 +106,10 @@ def best_hypotheses(finished, n_best, pad_symbol, src):
     best = [sorted(f, key=lambda h: -h[0])[:n_best] for f in finished]
     if n_best > 1:
         return [[(ids, score) for score, ids in hyps] for hyps in best]
-    longest = max(len(hyps[0][1]) for hyps in best)
-    out = torch.full((len(best), longest), pad_symbol, dtype=src.dtype)
-    for b, hyps in enumerate(best):
-        out[b, : len(hyps[0][1])] = torch.tensor(hyps[0][1])
-    return out.to(src.device)
+    top = [hyps[0][1] for hyps in best]  # each sentence's best ids
+    longest = max(len(ids) for ids in top)
+    rows = [ids + [pad_symbol] * (longest - len(ids)) for ids in top]
+    return torch.tensor(rows, dtype=src.dtype, device=src.device)  # one copy
 
 
 def beam_search(
