@@ -67,7 +67,9 @@ endif
 setup: $(STAMP)
 setup-run: $(RUN_STAMP)
 
+# The requirements are pinned and tested for Python 3.11: .venv is made with no other.
 $(VENV_PYTHON):
+	@$(PYTHON) -c 'import sys; v = "%d.%d" % sys.version_info[:2]; sys.exit(None if v == "3.11" else f"make: $(PYTHON) is Python {v}; the requirements are pinned and tested for 3.11: name one with make PYTHON=python3.11 ...")'
 	$(PYTHON) -m venv $(VENV)
 
 $(RUN_STAMP): requirements.txt | $(VENV_PYTHON)

@@ -709,6 +709,29 @@ def committed_log(tmp_path, profile):
     return log
 
 
+def test_make_refuses_to_make_the_venv_with_another_python(tmp_path):
+    """The requirements are pinned for Python 3.11: make says so in one line and makes
+    no .venv with another (here a stand-in that reports 3.12)."""
+    checkout = copy_of_the_checkout(tmp_path)
+    other = tmp_path / "python3.12"
+    other.write_text(
+        "#!/bin/sh\n"
+        f'exec {sys.executable} -c "import sys; sys.version_info = (3, 12, 0); '
+        'exec(sys.argv[2])" "$@"\n'
+    )
+    other.chmod(0o755)
+    result = subprocess.run(
+        ["make", "--no-print-directory", "run", f"PYTHON={other}", "VENV=venv"],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "is Python 3.12" in result.stderr and "PYTHON=python3.11" in result.stderr
+    assert not (checkout / "venv").exists()
+
+
 def test_make_data_fills_the_default_folder_and_checks_it(multi30k_server, tmp_path):
     result = make_in_a_copy(tmp_path, "data", DATA_URL=multi30k_server.url)
     assert result.returncode == 0, result.stderr
