@@ -55,6 +55,7 @@ from figures_training import (
 from settings import QUICK, Settings
 from table import print_table
 from timing import has_amx_bf16, machine
+from workloads import parse_device
 
 DEFAULT_JSON = "benchmarks/results.json"
 
@@ -80,21 +81,12 @@ def bench_device(parser, text):
     """--device as a torch.device (None: tat.default_device()), with a CUDA index;
     exits with one line on stderr when this machine does not have it."""
     try:
-        device = tat.default_device() if text is None else torch.device(text)
-    except RuntimeError:  # not a device torch knows
-        device = None
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device is None or device.type not in ("cpu", "cuda"):
-        problem = f"{text!r} is not cpu, cuda or cuda:N"
-    elif device.type == "cpu":
-        return device
-    elif count == 0:
-        problem = "CUDA is not available on this machine; use --device cpu"
-    elif (device.index or 0) >= count:
-        problem = f"this machine has cuda:0 to cuda:{count - 1}"
-    else:
+        device = tat.default_device() if text is None else parse_device(text)
+    except ValueError as problem:  # the workshop's check, as for train --device
+        parser.exit(2, f"{parser.prog}: error: argument --device: {problem}\n")
+    if device.type == "cuda":
         return torch.device("cuda", device.index or 0)
-    parser.exit(2, f"{parser.prog}: error: argument --device: {problem}\n")
+    return device
 
 
 def parse_args(argv):

@@ -5,7 +5,8 @@ bench's device, before anything is timed.
 
 Every name the benchmark takes from workshop/ is imported here, and only here;
 bf16_pays(device) is the workshop's rule for whether bfloat16 pays (on a GPU: its
-bfloat16 hardware; on the CPU: a timed matrix product), re-exported for the figures.
+bfloat16 hardware; on the CPU: a timed matrix product), re-exported for the figures,
+and parse_device(text), the command line's check of --device, re-exported for bench.py.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 import the_annotated_transformer as tat
 from workshop import fast
 from workshop.precision import bf16_pays as bf16_pays  # re-exported, see above
+from workshop.processes import parse_device as parse_device  # re-exported
 from workshop.settings import RunConfig
 from workshop.training import loss_compute_for_run, models_for_run
 from workshop.translation import beam_search

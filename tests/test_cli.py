@@ -122,6 +122,24 @@ def test_a_count_below_one_exits_2_with_one_line_naming_the_option(
     assert_one_line_error(run_cli(*argv), option, "at least 1")
 
 
+@pytest.mark.parametrize(
+    "device, expected",
+    [("tpu", "'tpu' is not cpu, cuda or cuda:N"), ("cuda", "CUDA is not available")],
+)
+@pytest.mark.parametrize("command", ["train", "translate"])
+def test_a_device_this_machine_lacks_exits_2_in_one_line(
+    command, device, expected, tmp_path, monkeypatch, run_cli
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # even on a GPU
+    argv = {
+        "train": ["--out", str(tmp_path / "run")],
+        "translate": ["--checkpoint", "c.pt"],
+    }
+    result = run_cli(command, *argv[command], "--device", device)
+    assert_one_line_error(result, "--device", expected)
+    assert not (tmp_path / "run").exists()
+
+
 def test_more_processes_than_this_machine_has_exits_2_saying_how_many_it_has(
     tmp_path, run_cli
 ):

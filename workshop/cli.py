@@ -10,8 +10,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 from the_annotated_transformer import (
     DATA_ENV,
     MULTI30K_URL,
@@ -23,6 +21,7 @@ from the_annotated_transformer import (
 from workshop.checkpoints import average_checkpoints
 from workshop.figures import save_attention_maps, save_figures
 from workshop.multi30k import DataError, download_multi30k
+from workshop.processes import parse_device
 from workshop.results import evaluate, reproduce
 from workshop.run_folders import resume_config
 from workshop.settings import TRAIN_PROFILES, RunConfig
@@ -53,17 +52,9 @@ def _positive_int(text):
 def _device(text):
     """argparse type: a device this machine has ("cpu", "cuda", "cuda:1")."""
     try:
-        device = torch.device(text)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text!r}: this machine has no CUDA GPU")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        count = torch.cuda.device_count()
-        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} GPU(s)")
-    return device
+        return parse_device(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 DEVICE_HELP = "cpu, cuda or cuda:N (default: the GPUs where there are any)"

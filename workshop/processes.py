@@ -130,6 +130,23 @@ def epoch_seed(seed, epoch, rank=0):
     return int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0])
 
 
+def parse_device(text):
+    """`text` ("cpu", "cuda", "cuda:1") as a device this machine has; a ValueError
+    that says what is wrong otherwise."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:  # not a device torch knows
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{text!r} is not cpu, cuda or cuda:N")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and count == 0:
+        raise ValueError("CUDA is not available on this machine; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= count:
+        raise ValueError(f"this machine has cuda:0 to cuda:{count - 1}")
+    return device
+
+
 def device_for(rank, device=None):
     """The device of process `rank`: `device` as given ("cpu", "cuda:1"), a GPU of
     its own for "cuda" or, when none is named, the GPUs if there are any."""
