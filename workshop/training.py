@@ -56,15 +56,17 @@ from workshop.run_folders import refuse_existing_run, resume_config, save_epoch
 from workshop.settings import RunConfig
 
 
-def run_vocabs(config, data_dir, vocabs=None):
-    """Check the train and val files against their published digests, and return
-    `vocabs`, else the run's (vocab_src, vocab_tgt) built from the training split:
-    one joint subword vocabulary when vocab is "bpe", the book's word ones else."""
+def check_run_data(config, data_dir):
+    """Check the settings, and the train and val files against their published
+    digests."""
     config.validate()
     for split in ("train", "val"):
         multi30k.verify_split(data_dir, split)
-    if vocabs is not None:
-        return vocabs
+
+
+def build_vocabs(config, data_dir):
+    """The run's (vocab_src, vocab_tgt), built from the training split: one joint
+    subword vocabulary when vocab is "bpe", the book's word ones else."""
     train = tat.read_split(data_dir, "train")[: config.max_train_pairs]
     if config.vocab == "bpe":
         texts = (text for pair in train for text in pair)
@@ -74,14 +76,18 @@ def run_vocabs(config, data_dir, vocabs=None):
     return tat.build_vocabulary(train, spacy_de, spacy_en, config.min_freq)
 
 
+def run_vocabs(config, data_dir, vocabs=None):
+    """check_run_data, then `vocabs`, else the run's vocabularies (build_vocabs)."""
+    check_run_data(config, data_dir)
+    return build_vocabs(config, data_dir) if vocabs is None else vocabs
+
+
 def prepare_run_data(config, data_dir, vocabs=None):
     """The book's prepare_data for a run: the files checked against their published
     digests first, and one joint subword vocabulary learned when vocab is "bpe"."""
-    config.validate()
-    for split in ("train", "val"):
-        multi30k.verify_split(data_dir, split)
+    check_run_data(config, data_dir)
     if vocabs is None and config.vocab == "bpe":
-        vocabs = run_vocabs(config, data_dir)
+        vocabs = build_vocabs(config, data_dir)
     return prepare_data(
         data_dir,
         max_len=config.max_len,
