@@ -12,7 +12,6 @@ import http.server
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ import torch
 # The repository root is on sys.path through pyproject.toml's `pythonpath = ["."]`.
 import the_annotated_transformer as tat
 from workshop import checkpoints, multi30k, results, settings, training, translation
+from workshop.processes import free_port as free_port  # the tests' free ports too
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -419,12 +419,6 @@ def tiny_checkpoint(path, seed, epoch=0, words=WORDS, **overrides):
 def trained_checkpoint(smoke_run):
     """last.pt of the smoke run: what the commands and the results tests load."""
     return smoke_run.out / "last.pt"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------
