@@ -82,6 +82,7 @@
 # %%
 from __future__ import annotations
 
+import base64
 import contextlib
 import copy
 import functools
@@ -101,8 +102,10 @@ from torch import nn
 # %% [markdown]
 # Examples are wrapped in `show_example`: it runs them when this file is executed as a
 # notebook, and does nothing when the module is imported or run as a script. A chart
-# an example returns is shown as a PNG image rendered on this machine, so the notebook
-# needs no network to display it. `PROFILE` picks how much work the examples do.
+# an example returns is shown as itself, drawn by JupyterLab without the network:
+# point at a cell of a heat map for its value, click a legend entry to pick a line.
+# A PNG of it, rendered on this machine, goes along for viewers that run no
+# JavaScript, such as GitHub's. `PROFILE` picks how much work the examples do.
 
 # %%
 PROFILE = os.environ.get("ANNOTATED_TRANSFORMER_PROFILE", "quick")
@@ -115,21 +118,27 @@ def in_notebook():
 
 
 def show_example(fn, *args, **kwargs):
-    """Run `fn`, but only inside the notebook; show a chart it returns as a PNG."""
+    """Run `fn`, but only inside the notebook; show a chart it returns."""
     result = fn(*args, **kwargs) if in_notebook() else None
     kind = type(result).__module__
     if kind.startswith("altair"):
-        return chart_image(result)
+        return ChartOutput(result)
     # A Markdown table or an image is shown as such; examples print everything else.
     return result if kind.startswith("IPython") else None
 
 
-def chart_image(figure, scale=2):
-    """An altair chart as an IPython PNG image, rendered offline by vl-convert."""
-    import vl_convert
-    from IPython.display import Image
+class ChartOutput:
+    """An altair chart as a notebook output: the chart itself, and a PNG of it."""
 
-    return Image(data=vl_convert.vegalite_to_png(figure.to_json(), scale=scale))
+    def __init__(self, figure):
+        self.spec = figure.to_dict()
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        import vl_convert
+
+        png = base64.b64encode(vl_convert.vegalite_to_png(self.spec, scale=2))
+        kind = "application/vnd.vegalite.v5+json"  # JupyterLab 4's, for altair's too
+        return {kind: self.spec, "image/png": png.decode(), "text/plain": "<chart>"}
 
 
 # %% [markdown]
@@ -484,11 +493,17 @@ def load_altair():
 
 def chart(frame, mark, title=None, width=400, height=300, **encoding):
     """An altair chart of a table (a DataFrame or a list of dicts). `mark` is "rect"
-    (a heat map) or "line"; `encoding` maps channels (x, y, color) to columns."""
+    (a heat map: pointing at a cell shows its row, column and value) or "line" (a
+    click on a legend entry picks that line); `encoding` maps channels (x, y, color)
+    to columns."""
     alt = load_altair()
     import pandas as pd
 
-    plot = getattr(alt.Chart(pd.DataFrame(frame)), f"mark_{mark}")()
+    plot = getattr(alt.Chart(pd.DataFrame(frame)), f"mark_{mark}")(tooltip=True)
+    if mark == "line" and "color" in encoding:
+        pick = alt.selection_point(encodings=["color"], bind="legend")
+        fade = alt.condition(pick, alt.value(1.0), alt.value(0.15))
+        plot = plot.add_params(pick).encode(opacity=fade)
     plot = plot.encode(**encoding).properties(width=width, height=height)
     return plot if title is None else plot.properties(title=title)
 
@@ -840,29 +855,30 @@ show_example(chart_positional_waves)
 
 
 # %% [markdown]
-# And as a heat map, for 256 positions and 512 features: fast pairs on the left, slow
+# And as a heat map, for 128 positions and 128 features: fast pairs on the left, slow
 # pairs on the right.
 
 
 # %%
-def chart_positional_encoding(positions=256, d_model=512, base=10000.0):
+def chart_positional_encoding(positions=128, d_model=128, base=10000.0):
     """A heat map of the positional encoding: positions down, features across."""
     alt = load_altair()
     pe = PositionalEncoding(d_model, 0.0, max_len=positions, base=base).pe[0]
-    ticks = alt.Axis(values=list(range(0, max(positions, d_model), 64)))
+    ticks = alt.Axis(values=list(range(0, max(positions, d_model), 16)))
     x, y = alt.X("feature:O", axis=ticks), alt.Y("position:O", axis=ticks)
     colours = alt.Color("value:Q", scale=alt.Scale(scheme="redblue", domain=[-1, 1]))
-    frame = grid(pe, "position", "feature", "value")
+    frame = grid(pe.round(decimals=3), "position", "feature", "value")
     title = f"Positional encoding (base {base:g})"
     return chart(frame, "rect", title, x=x, y=y, color=colours)
 
 
 # %% [markdown]
 # The same map at base 10,000 (left) and at base 100 (right). At base 10,000 the
-# wavelength of pair $i$ is $2\pi \cdot 10000^{2i/512}$: from feature 256 on it
-# exceeds 628 positions, so the right half of the features hardly changes over 256
-# positions. At base 100 the slowest pair turns once every 628 positions, and most
-# columns turn several times within the 256 shown.
+# wavelength of pair $i$ is $2\pi \cdot 10000^{2i/128}$: from feature 64 on it
+# is at least 628 positions, so the right half of the features turns through a fifth
+# of a cycle or less over the 128 positions shown. At base 100 the wavelength at
+# feature 64 is only 63 positions, two whole cycles, and only the slowest pairs turn
+# less than a quarter.
 
 
 # %%
@@ -3259,63 +3275,57 @@ def attention_weights(translator, sentence):
 
 
 # %%
-def chart_attention(weights, query_tokens, key_tokens, *, heads=None, title=""):
-    """One heat map per head of (heads, queries, keys) weights: rows are queries."""
-    alt = load_altair()
+def attention_table(found):
+    """attention_weights' result as a table: a row per kind, layer, head, query, key."""
     import pandas as pd
 
-    # Labels such as "0:<s>", "1:Ein" keep a repeated word's positions apart.
-    rows = [f"{i}:{t}" for i, t in enumerate(query_tokens)]
-    cols = [f"{i}:{t}" for i, t in enumerate(key_tokens)]
-    heads = range(len(weights)) if heads is None else heads
-    frame = pd.concat(
-        grid(w.float(), "query", "key", "weight").assign(head=f"head {h}")
-        for h, w in zip(heads, weights, strict=True)
-    )
-    frame["query"] = np.array(rows)[frame["query"]]
-    frame["key"] = np.array(cols)[frame["key"]]
-    x = alt.X("key:O", sort=cols, axis=alt.Axis(labelAngle=-60))
+    tables = []
+    for kind, (layers, queries, keys) in found.items():
+        for layer, weights in enumerate(layers):
+            for head, w in enumerate(weights.float().cpu()):
+                table = grid(w, "query", "key", "weight")  # "3:Hund": position, token
+                table["query"] = [f"{i}:{queries[i]}" for i in table["query"]]
+                table["key"] = [f"{j}:{keys[j]}" for j in table["key"]]
+                tables.append(table.assign(kind=kind, layer=layer, head=head))
+    return pd.concat(tables, ignore_index=True)
+
+
+def chart_attention(table, title=None):
+    """A heat map of an attention table: queries as rows, in the sentence's order."""
+    alt = load_altair()
+    x = alt.X("key:O", sort=None, axis=alt.Axis(labelAngle=-60))
+    y, step = alt.Y("query:O", sort=None), alt.Step(14)
     colours = alt.Color("weight:Q", scale=alt.Scale(scheme="blues", domain=[0, 1]))
-    tooltip = ["query", "key", alt.Tooltip("weight:Q", format=".2f")]
-    size = max(100, 14 * len(cols)), max(100, 14 * len(rows))
-    y = alt.Y("query:O", sort=rows)
-    heat_maps = chart(
-        frame, "rect", None, *size, x=x, y=y, color=colours, tooltip=tooltip
+    tips = ["query", "key", alt.Tooltip("weight:Q", format=".2f")]
+    return chart(
+        table, "rect", title, step, step, x=x, y=y, color=colours, tooltip=tips
     )
-    facets = alt.Facet("head:N", title=None, sort=None)
-    return heat_maps.facet(facet=facets, columns=4).properties(title=title)
 
 
 # %% [markdown]
-# `attention_maps` draws the three kinds for one layer (counted from 0; `-1` is the
-# last) and a choice of heads (all by default).
+# `chart_attention_explorer` puts every map in one chart: menus above it pick the
+# kind of attention, the layer and the head, and pointing at a cell shows its query,
+# its key and its weight.
 
 
 # %%
-def attention_maps(translator, sentence, layer=0, heads=None):
-    """The three attention charts of one layer for `sentence`, keyed by kind."""
-    found = attention_weights(translator, sentence)
-    first = found["encoder_self_attention"][0]
-    n_layers, n_heads = len(first), first[0].size(0)
-    heads = list(range(n_heads)) if heads is None else list(heads)
-    in_range = -n_layers <= layer < n_layers
-    require(in_range, f"layer must be in 0..{n_layers - 1}, got {layer}.")
-    valid = heads and all(0 <= head < n_heads for head in heads)
-    require(valid, f"heads must be in 0..{n_heads - 1}, got {heads}.")
-    layer %= n_layers
-    titles = ("Encoder self-", "Decoder self-", "Decoder–source ")
-    charts = {}
-    for title, (name, (weights, rows, cols)) in zip(titles, found.items(), strict=True):
-        title = f"{title}attention, layer {layer}"
-        weights = weights[layer][heads].cpu()
-        charts[name] = chart_attention(weights, rows, cols, heads=heads, title=title)
-    return charts
+def chart_attention_explorer(table):
+    """One attention heat map of `table`, with menus for the kind, layer and head."""
+    alt = load_altair()
+    menus, picked = [], []
+    for name in ("kind", "layer", "head"):
+        options = table[name].unique().tolist()  # in the order they come
+        menu = alt.binding_select(options=options, name=f"{name} ")
+        menus.append(alt.param(name=f"pick_{name}", value=options[0], bind=menu))
+        picked.append(f"datum.{name} == pick_{name}")
+    heat_map = chart_attention(table, "Attention weights: pick kind, layer and head")
+    return heat_map.add_params(*menus).transform_filter(" && ".join(picked))
 
 
 # %% [markdown]
-# The maps of the notebook's model for a sentence of our own, the three kinds in every
-# layer, from the first to the last. Compare the layers: which heads spread their
-# weight, which look at a neighbour, which pick out one source word. From the
+# The maps of the notebook's model for a sentence of our own, every kind, layer and
+# head in one chart. Compare the layers: which heads spread their weight, which look
+# at a neighbour, which pick out one source word. From the
 # command line, `python -m workshop attention --checkpoint F --layer L --out DIR
 # "Ein Satz."` writes one layer's maps as PNG files. The `multi30k` model's maps in
 # its last layer, for "Zwei Hunde spielen im Schnee.":
@@ -3329,14 +3339,11 @@ def attention_maps(translator, sentence, layer=0, heads=None):
 
 # %%
 def example_attention_maps(sentence="Zwei Hunde spielen im Schnee mit einem Ball."):
-    """The three kinds of attention map in every layer of the notebook's model."""
+    """Every attention map of the notebook's model for `sentence`, in one chart."""
     found = notebook_run()
-    if found is None:
-        return None
-    alt = load_altair()
-    layers = range(len(found[0].model.decoder.layers))
-    maps = [attention_maps(found[0], sentence, layer).values() for layer in layers]
-    return alt.vconcat(*(chart for layer in maps for chart in layer))
+    if found is not None:
+        table = attention_table(attention_weights(found[0], sentence))
+        return chart_attention_explorer(table)
 
 
 show_example(example_attention_maps)
@@ -3405,7 +3412,7 @@ show_example(example_attention_maps)
 # | `train_worker`, `train_distributed_model`, `train_model`, `load_trained_model` | `train_translator` here; several processes and checkpoints in the workshop (`python -m workshop train`) |
 # | `check_outputs(valid_dataloader, model, vocab_src, vocab_tgt, n_examples, pad_idx, eos_string)` | `check_outputs(translator, pairs, n_examples)` |
 # | `run_model_example` | `example_multi30k` |
-# | `mtx2df`, `attn_map`, `get_encoder`, `get_decoder_self`, `get_decoder_src`, `visualize_layer` | `grid`, `chart_attention`, `attention_weights`, `attention_maps` |
+# | `mtx2df`, `attn_map`, `get_encoder`, `get_decoder_self`, `get_decoder_src`, `visualize_layer` | `grid`, `attention_weights`, `attention_table`, `chart_attention_explorer` |
 # | `example_mask`, `example_positional`, `example_learning_schedule`, `example_label_smoothing`, `penalization_visualization`, `loss` | `chart_subsequent_mask`, `chart_positional_waves`, `chart_learning_rate`, `chart_label_smoothing`, `chart_penalization`, `smoothed_loss_for_confidence` |
 # | `LabelSmoothing.true_dist`, an attribute set in `forward` | a property computed from the last targets |
 # | `is_interactive_notebook` | `in_notebook` |

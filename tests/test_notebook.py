@@ -4,6 +4,7 @@ The .py file is the source of the book; `make notebook` writes the notebook from
 with jupytext. These tests fail when someone edits one and forgets the other.
 """
 
+import base64
 from pathlib import Path
 
 import jupytext
@@ -13,6 +14,8 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BOOK = REPO_ROOT / "the_annotated_transformer.py"
 NOTEBOOK = REPO_ROOT / "notebooks" / "the_annotated_transformer.ipynb"
+VEGA_LITE = "application/vnd.vegalite.v5+json"  # the type JupyterLab 4 draws
+VEGA_LITE_SCHEMA = "https://vega.github.io/schema/vega-lite/"
 
 
 def cells(notebook):
@@ -55,13 +58,19 @@ def test_committed_notebook_is_paired_with_the_book_by_jupytext(committed):
 
 @pytest.mark.slow
 def test_notebook_executes_end_to_end_with_the_smoke_profile(executed_notebook):
-    """Every cell runs; charts come out as PNG; translations, the cache's and beam
-    search's examples and BLEU are printed."""
+    """Every cell runs; each chart comes out as a Vega-Lite chart (JupyterLab draws
+    it) with a PNG of it (for viewers that run no JavaScript); translations, the
+    cache's and beam search's examples and BLEU are printed."""
     notebook = nbformat.read(executed_notebook, as_version=4)  # make site ran it
     outputs = [o for cell in notebook.cells for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
-    pngs = [o for o in outputs if "image/png" in o.get("data", {})]
-    assert len(pngs) >= 6  # five charts of Parts 1-2 and the attention maps
+    charts = [o for o in outputs if VEGA_LITE in o.get("data", {})]
+    # Parts 1-2 draw seven charts (mask, waves, the two bases, learning rate, the
+    # two label-smoothing charts), Part 5 the attention maps.
+    assert len(charts) >= 8
+    for chart in charts:
+        assert base64.b64decode(chart.data["image/png"])[:8] == b"\x89PNG\r\n\x1a\n"
+        assert chart.data[VEGA_LITE]["$schema"].startswith(VEGA_LITE_SCHEMA)
     assert not [o for o in outputs if "text/html" in o.get("data", {})]  # no CDN charts
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "exact copy: yes" in text

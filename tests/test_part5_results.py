@@ -17,7 +17,7 @@ from conftest import HANDMADE_PAIRS, SENTENCE, EchoTranslator, point_data_at
 from torch import nn
 
 import the_annotated_transformer as tat
-from workshop import translation
+from workshop import figures, translation
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -102,13 +102,16 @@ def test_bleu_scores_a_translator_and_passes_it_the_options(capsys):
 # Attention maps
 
 
-def chart_axes(chart):
-    """(rows in order, columns in order, data rows) of a faceted attention chart."""
-    spec = chart.to_dict()
-    encoding = spec["spec"]["encoding"]
+def chart_axes(spec):
+    """(rows in order, columns in order, data rows) of an attention chart's spec (a
+    faceted one's inner chart). Its axes keep the table's order (sort None), which
+    is the order in which labels first come in the data."""
+    encoding = spec.get("spec", spec)["encoding"]
     assert (encoding["y"]["field"], encoding["x"]["field"]) == ("query", "key")
+    assert encoding["y"]["sort"] is None and encoding["x"]["sort"] is None
     (values,) = spec["datasets"].values()
-    return encoding["y"]["sort"], encoding["x"]["sort"], values
+    rows = list(dict.fromkeys(v["query"] for v in values))
+    return rows, list(dict.fromkeys(v["key"] for v in values)), values
 
 
 def labels(tokens):
@@ -128,7 +131,9 @@ def expected_tokens(translator):
 
 @pytest.fixture(scope="module")
 def maps(translator):
-    return tat.attention_maps(translator, SENTENCE, layer=0)
+    """The workshop's three maps of layer 0 (for the attention command), as specs."""
+    charts = figures.attention_maps(translator, SENTENCE, layer=0)
+    return {kind: chart.to_dict() for kind, chart in charts.items()}
 
 
 def row_sums(values):
@@ -147,7 +152,7 @@ def test_encoder_self_attention_chart_has_source_tokens_as_rows_and_columns(
     rows, cols, values = chart_axes(maps["encoder_self_attention"])
     assert rows == cols == labels(source)
     assert {v["query"] for v in values} == {v["key"] for v in values} == set(rows)
-    assert {v["head"] for v in values} == {"head 0", "head 1"}
+    assert {v["head"] for v in values} == {0, 1}
     for total in row_sums(values).values():  # each query's weights sum to 1
         assert total == pytest.approx(1.0, abs=1e-5)
 
@@ -183,26 +188,44 @@ def test_attention_labels_keep_repeated_words_apart_in_sentence_order(expected_t
     source, _ = expected_tokens
     assert source.count("Hund") == 2  # the sentence says "Hund" twice
     weights = torch.full((1, 3, 3), 1 / 3)
-    rows, cols, values = chart_axes(
-        tat.chart_attention(weights, ["a", "b", "a"], ["a", "b", "a"])
-    )
+    found = {"encoder_self_attention": ([weights], ["a", "b", "a"], ["a", "b", "a"])}
+    table = tat.attention_table(found)
+    rows, cols, values = chart_axes(tat.chart_attention(table).to_dict())
     assert rows == cols == ["0:a", "1:b", "2:a"]
     assert len(values) == 9
 
 
+def test_the_attention_explorer_has_a_menu_for_kind_layer_and_head(translator):
+    table = tat.attention_table(tat.attention_weights(translator, SENTENCE))
+    spec = tat.chart_attention_explorer(table).to_dict()
+    menus = {p["name"]: p for p in spec["params"]}
+    assert list(menus) == ["pick_kind", "pick_layer", "pick_head"]
+    kinds = ["encoder_self_attention", "decoder_self_attention"]
+    assert menus["pick_kind"]["bind"]["options"] == [*kinds, "decoder_source_attention"]
+    assert menus["pick_layer"]["bind"]["options"] == [0]  # smoke: one layer
+    assert menus["pick_head"]["bind"]["options"] == [0, 1]
+    # The first of each is shown first: encoder self-attention, layer 0, head 0.
+    assert [m["value"] for m in menus.values()] == ["encoder_self_attention", 0, 0]
+    (shown,) = spec["transform"]
+    assert shown["filter"] == (
+        "datum.kind == pick_kind && datum.layer == pick_layer && "
+        "datum.head == pick_head"
+    )
+
+
 def test_attention_maps_of_chosen_heads_and_a_negative_layer(translator):
-    charts = tat.attention_maps(translator, SENTENCE, layer=-1, heads=[1])
+    charts = figures.attention_maps(translator, SENTENCE, layer=-1, heads=[1])
     spec = charts["decoder_source_attention"].to_dict()
     assert spec["title"] == "Decoder–source attention, layer 0"  # smoke: one layer
     (values,) = spec["datasets"].values()
-    assert {v["head"] for v in values} == {"head 1"}
+    assert {v["head"] for v in values} == {1}
 
 
 def test_attention_maps_refuse_a_layer_or_head_that_does_not_exist(translator):
     with pytest.raises(ValueError, match="layer must be in 0..0"):
-        tat.attention_maps(translator, SENTENCE, layer=1)
+        figures.attention_maps(translator, SENTENCE, layer=1)
     with pytest.raises(ValueError, match="heads must be in 0..1"):
-        tat.attention_maps(translator, SENTENCE, heads=[2])
+        figures.attention_maps(translator, SENTENCE, heads=[2])
 
 
 def test_attention_weights_are_those_of_each_greedy_step(translator):

@@ -4,27 +4,34 @@ The build (conftest.py's `built_site`: `make site` with the smoke profile) runs 
 cell of the book and writes the page with tools/export_html.py, the exporter behind
 `make html` too. Headless Chromium (Debian's, which .ci/run installs) then opens the
 page from disk with every host name unresolvable, takes a screenshot and dumps the
-DOM after its scripts ran: the title, the table of contents, the charts and the
-typeset math must all be there without the network. (tests/test_workflows.py checks
+DOM after its scripts ran: the title, the table of contents and the typeset math
+must all be there without the network. Driven through its DevTools protocol
+(tests/browser.py), the same browser then does what a reader does with the charts:
+every chart must be drawn, the page must request nothing but itself, pointing at a
+cell of the attention maps must show that cell's query, key and weight, and the
+menus must show the kind, layer and head picked. (tests/test_workflows.py checks
 that the GitHub Pages workflow builds the site with the same target.)
 """
 
-import base64
+import json
 import os
 import re
 import struct
 import subprocess
+import time
 import zlib
 from pathlib import Path
 from urllib.parse import unquote
 
+import nbformat
 import pytest
+from browser import Browser
 from bs4 import BeautifulSoup
-from conftest import book_title, run_chromium
+from conftest import CHROMIUM_FLAGS, book_title, run_chromium
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 IMAGES = REPO_ROOT / "images"
-PNG_DATA_URL = "data:image/png;base64,"
+VEGA_LITE = "application/vnd.vegalite.v5+json"
 
 pytestmark = pytest.mark.slow
 
@@ -129,15 +136,138 @@ def test_table_of_contents_links_to_sections_of_the_page(dom):
         assert {fragment, unquote(fragment)} & ids, f"no section with the id {href}"
 
 
-def test_charts_are_embedded_pngs_with_something_drawn(dom):
-    charts = [
-        img["src"]
-        for img in dom.select(".jp-OutputArea-output img[src]")
-        if img["src"].startswith(PNG_DATA_URL)
+@pytest.fixture(scope="module")
+def opened(chromium, page, tmp_path_factory):
+    """The page open in a headless Chromium that a test can point and click in, once
+    every chart is drawn: (the browser, the number of charts)."""
+    with Browser(chromium, CHROMIUM_FLAGS, tmp_path_factory.mktemp("browser")) as tab:
+        tab.open(page.as_uri())
+        charts = tab.evaluate("document.querySelectorAll('.vega-chart').length")
+        drawn = "document.querySelectorAll('.vega-chart svg .role-mark').length"
+        tab.wait_for(f"{drawn} >= {charts}", message="a chart was not drawn")
+        # The math is typeset too, so nothing moves any more under the pointer.
+        tab.evaluate("MathJax.startup.promise.then(() => true)")
+        yield tab, charts
+
+
+def test_every_chart_is_drawn_in_the_page(opened, executed_notebook):
+    tab, charts = opened
+    notebook = nbformat.read(executed_notebook, as_version=4)
+    outputs = [o for cell in notebook.cells for o in cell.get("outputs", [])]
+    assert charts == sum(VEGA_LITE in o.get("data", {}) for o in outputs) >= 8
+    # Each chart is an SVG with its marks (lines, or a heat map's cells) drawn in it.
+    marks = tab.evaluate(
+        "[...document.querySelectorAll('.vega-chart')].map(chart =>"
+        " chart.querySelectorAll('svg .role-mark path').length)"
+    )
+    assert len(marks) == charts and min(marks) > 0, marks
+    # No output is a picture any more: the PNGs stay in the notebook's outputs.
+    assert tab.evaluate("document.querySelectorAll('.jp-OutputArea img').length") == 0
+
+
+def test_the_page_requests_nothing_but_itself(opened, page):
+    tab, _ = opened
+    urls = tab.requested_urls()
+    assert urls[0] == page.as_uri()
+    elsewhere = [url for url in urls[1:] if not url.startswith("data:")]
+    assert elsewhere == [], f"the page requested {elsewhere}"
+
+
+EXPLORER = "document.querySelector('.vega-chart:has(select)')"  # the attention maps
+
+
+CELLS = f"[...{EXPLORER}.querySelectorAll('.role-mark path')]"
+
+
+def attention_cells(tab):
+    """The description of each drawn cell of the attention chart. Vega describes
+    every mark by its encoded fields: 'key: 2:Hunde; query: 1:Two; weight: 0.31'."""
+    return tab.evaluate(f"{CELLS}.map(cell => cell.getAttribute('aria-label'))")
+
+
+def centre_of_cell(tab, index):
+    """Scroll cell `index` of the attention chart into view; its centre (x, y)."""
+    return tab.evaluate(
+        f"(() => {{ const cell = {CELLS}[{index}];"
+        " cell.scrollIntoView({block: 'center'});"
+        " const box = cell.getBoundingClientRect();"
+        " return [box.x + box.width / 2, box.y + box.height / 2]; })()"
+    )
+
+
+def described(label):
+    return dict(part.split(": ", 1) for part in label.split("; "))
+
+
+def pick(tab, menu, value):
+    """Choose `value` in the attention chart's menu `menu` (kind, layer or head)."""
+    tab.evaluate(
+        f"(() => {{ const menu = {EXPLORER}.querySelector('select[name=pick_{menu}]');"
+        f" menu.value = {json.dumps(str(value))};"
+        " menu.dispatchEvent(new Event('change')); })()"
+    )
+
+
+def test_hovering_an_attention_cell_shows_its_query_key_and_weight(opened):
+    tab, _ = opened
+    cells = attention_cells(tab)
+    assert cells, "the attention chart has no cells"
+    for index in (0, len(cells) // 2, len(cells) - 1):
+        label = cells[index]
+        tab.move_pointer(*centre_of_cell(tab, index))
+        shown = tab.wait_for(
+            "(() => { const tip = document.getElementById('vg-tooltip-element');"
+            " return tip && tip.classList.contains('visible') && tip.innerText; })()",
+            timeout=10,
+            message=f"no tooltip over {label}",
+        )
+        # The tooltip is a table: a name, a tab, then the value.
+        rows = [line for line in shown.replace("\t\n", "\t").splitlines() if line]
+        told = dict(row.split("\t", 1) for row in rows)
+        cell = described(label)
+        assert {k.strip(): v.strip() for k, v in told.items()} == {
+            "query": cell["query"],
+            "key": cell["key"],
+            "weight": f"{float(cell['weight']):.2f}",
+        }
+
+
+def test_the_attention_menus_pick_the_kind_layer_and_head(opened, executed_notebook):
+    tab, _ = opened
+    notebook = nbformat.read(executed_notebook, as_version=4)
+    specs = [
+        o.data[VEGA_LITE]
+        for cell in notebook.cells
+        for o in cell.get("outputs", [])
+        if VEGA_LITE in o.get("data", {})
     ]
-    assert len(charts) >= 6  # five charts of Parts 1-2 and the attention maps
-    first = base64.b64decode(charts[0][len(PNG_DATA_URL) :])
-    assert distinct_colours(first, enough=16) >= 16, "the first chart is blank"
+    (spec,) = [s for s in specs if "pick_kind" in json.dumps(s.get("params", []))]
+    (rows,) = spec["datasets"].values()
+    kinds = list(dict.fromkeys(row["kind"] for row in rows))
+    assert kinds == [
+        "encoder_self_attention",
+        "decoder_self_attention",
+        "decoder_source_attention",
+    ]
+    last_layer = max(row["layer"] for row in rows)
+    last_head = max(row["head"] for row in rows)
+    for kind in reversed(kinds):
+        for menu, value in (("kind", kind), ("layer", last_layer), ("head", last_head)):
+            pick(tab, menu, value)
+        expected = {
+            (row["query"], row["key"], round(row["weight"], 6))
+            for row in rows
+            if (row["kind"], row["layer"], row["head"]) == (kind, last_layer, last_head)
+        }
+
+        def drawn():
+            cells = [described(label) for label in attention_cells(tab)]
+            return {(c["query"], c["key"], round(float(c["weight"]), 6)) for c in cells}
+
+        deadline = time.monotonic() + 10
+        while drawn() != expected and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert drawn() == expected, f"{kind}, layer {last_layer}, head {last_head}"
 
 
 def test_math_is_typeset_offline(dom):

@@ -5,20 +5,25 @@
 The page fetches nothing from the network. nbconvert's own template loads MathJax,
 require.js and mermaid from CDNs; tools/offline.html.j2 drops the last two (the book
 has no widgets and no diagrams) and inlines MathJax 3 from the pinned
-django-static-mathjax package instead. Charts are PNG outputs already, and the
-figures that markdown cells link to (`../images/*.png`) are embedded as data URLs.
+django-static-mathjax package instead. The book's charts (Vega-Lite outputs, with a
+PNG of each for viewers without JavaScript) are drawn in the page by Vega-Embed, so
+they stay interactive: its JavaScript, with Vega and Vega-Lite, is vl-convert's
+bundle, inlined once. The figures that markdown cells link to (`../images/*.png`)
+are embedded as data URLs.
 tools/build_site.py (`make site`) uses it too; tests/test_site.py opens its page in
 headless Chromium.
 """
 
 import argparse
 import base64
+import json
 import mimetypes
 import re
 from importlib.resources import files
 from pathlib import Path
 
 import nbformat
+import vl_convert
 from load import load_module
 from nbconvert import HTMLExporter
 from nbconvert.preprocessors import Preprocessor
@@ -85,8 +90,44 @@ class AttachLocalImages(Preprocessor):
         return cell, resources
 
 
+VEGA_LITE = "application/vnd.vegalite.v5+json"  # the book's ChartOutput writes it
+# A chart: where Vega-Embed draws it (as SVG: crisp, and its marks are elements),
+# and its spec as data. "</" is escaped in the spec so that no text in it can end
+# the script element early.
+CHART_HTML = """<div class="vega-chart" id="chart-{n}"></div>
+<script type="application/json" id="chart-{n}-spec">{spec}</script>
+<script>
+vegaEmbed("#chart-{n}", JSON.parse(document.getElementById("chart-{n}-spec").text),
+          {{renderer: "svg", actions: false}});
+</script>"""
+
+
+class InteractiveCharts(Preprocessor):
+    """Put each Vega-Lite output in the page as a chart that Vega-Embed draws (in
+    place of its PNG), and Vega-Embed's JavaScript in the page once."""
+
+    def preprocess(self, nb, resources):
+        resources["charts"] = 0
+        nb, resources = super().preprocess(nb, resources)
+        resources["vega_bundle"] = (
+            vl_convert.javascript_bundle() if resources["charts"] else ""
+        )
+        return nb, resources
+
+    def preprocess_cell(self, cell, resources, index):
+        for output in cell.get("outputs", []):
+            spec = output.get("data", {}).get(VEGA_LITE)
+            if spec is not None:
+                resources["charts"] += 1
+                text = json.dumps(spec).replace("</", "<\\/")
+                html = CHART_HTML.format(n=resources["charts"], spec=text)
+                output["data"] = nbformat.from_dict({"text/html": html})
+        return cell, resources
+
+
 def make_exporter():
-    """The HTMLExporter behind `make html`: lab template, offline, images embedded."""
+    """The HTMLExporter behind `make html`: lab template, offline, images embedded,
+    charts interactive."""
     exporter = HTMLExporter(
         template_name="lab",
         template_file=str(TEMPLATE),
@@ -95,6 +136,7 @@ def make_exporter():
     )
     exporter.register_preprocessor(TitleFromFirstHeading, enabled=True)
     exporter.register_preprocessor(AttachLocalImages, enabled=True)
+    exporter.register_preprocessor(InteractiveCharts, enabled=True)
     return exporter
 
 

@@ -15,12 +15,15 @@ from itertools import pairwise
 from pathlib import Path
 
 from the_annotated_transformer import (
-    attention_maps,
+    attention_table,
+    attention_weights,
+    chart_attention,
     chart_label_smoothing,
     chart_learning_rate,
     chart_penalization,
     chart_positional_encoding,
     chart_subsequent_mask,
+    require,
 )
 from workshop.files import atomic_write_bytes
 from workshop.translation import load_translator
@@ -39,6 +42,33 @@ def save_png(figure, path):
 
         png = vl_convert.vegalite_to_png(figure.to_json(), scale=2)
     return atomic_write_bytes(path, png)
+
+
+KINDS = {
+    "encoder_self_attention": "Encoder self-attention",
+    "decoder_self_attention": "Decoder self-attention",
+    "decoder_source_attention": "Decoder–source attention",
+}
+
+
+def attention_maps(translator, sentence, layer=0, heads=None):
+    """The three attention charts of one layer (counted from 0; -1 is the last) for
+    `sentence`, keyed by kind: a heat map per head (all by default)."""
+    table = attention_table(attention_weights(translator, sentence))
+    n_layers, n_heads = table["layer"].max() + 1, table["head"].max() + 1
+    heads = list(range(n_heads)) if heads is None else list(heads)
+    in_range = -n_layers <= layer < n_layers
+    require(in_range, f"layer must be in 0..{n_layers - 1}, got {layer}.")
+    valid = heads and all(0 <= head < n_heads for head in heads)
+    require(valid, f"heads must be in 0..{n_heads - 1}, got {heads}.")
+    layer %= n_layers
+    charts = {}
+    for kind, name in KINDS.items():
+        chosen = table[(table["kind"] == kind) & (table["layer"] == layer)]
+        heat_maps = chart_attention(chosen[chosen["head"].isin(heads)])
+        title = f"{name}, layer {layer}"
+        charts[kind] = heat_maps.facet("head:N", columns=4).properties(title=title)
+    return charts
 
 
 def save_attention_maps(checkpoint, sentence, out_dir, layer=0, heads=None):

@@ -1,0 +1,155 @@
+"""Headless Chromium driven through its DevTools protocol, for the page tests.
+
+`--dump-dom` shows a page once its scripts have run; a reader does more: points at a
+chart, picks from a menu, runs a cell. `Browser` opens a page and then does what a
+reader does, through the protocol's websocket (tornado's client, which the notebook
+tools already install): evaluate JavaScript in the page, press keys, move the pointer,
+and list every request the page made.
+"""
+
+import asyncio
+import json
+import subprocess
+import time
+import urllib.request
+
+from tornado.websocket import websocket_connect
+
+
+class Browser:
+    """One headless Chromium with one tab; `close` ends it (or use `with`)."""
+
+    def __init__(self, chromium, flags, profile, timeout=60):
+        self.process = subprocess.Popen(
+            [
+                chromium,
+                *flags,
+                f"--user-data-dir={profile}",
+                "--remote-debugging-port=0",  # Chromium picks a port and writes it
+                "--window-size=1280,1000",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.loop = asyncio.new_event_loop()
+        self.events, self.next_id = [], 0
+        try:
+            port = self._devtools_port(profile / "DevToolsActivePort", timeout)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list") as page:
+                tabs = json.loads(page.read())
+            tab = next(t for t in tabs if t["type"] == "page")
+            url = tab["webSocketDebuggerUrl"]
+
+            async def connect():  # tornado's client joins the loop it is called on
+                return await websocket_connect(url, max_message_size=256 * 2**20)
+
+            self.socket = self.loop.run_until_complete(connect())
+            self.call("Network.enable")  # from now on, requests are recorded
+            self.call("Page.enable")
+        except BaseException:
+            self.close()
+            raise
+
+    def _devtools_port(self, path, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, "chromium exited at start"
+            if path.is_file() and path.read_text().strip():
+                return int(path.read_text().split()[0])
+            time.sleep(0.1)
+        raise AssertionError(f"chromium opened no DevTools port in {timeout} s")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        socket = getattr(self, "socket", None)
+        if socket is not None:
+            socket.close()
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.loop.close()
+
+    def call(self, method, timeout=60, **params):
+        """Send one DevTools command and return its result; the events that arrive
+        meanwhile are kept in `events`."""
+        self.next_id += 1
+        message_id = self.next_id
+
+        async def exchange():
+            message = {"id": message_id, "method": method, "params": params}
+            await self.socket.write_message(json.dumps(message))
+            while True:
+                text = await self.socket.read_message()
+                assert text is not None, "chromium closed the DevTools connection"
+                answer = json.loads(text)
+                if answer.get("id") != message_id:
+                    self.events.append(answer)
+                elif "error" in answer:
+                    raise AssertionError(f"{method}: {answer['error']}")
+                else:
+                    return answer["result"]
+
+        return self.loop.run_until_complete(asyncio.wait_for(exchange(), timeout))
+
+    def evaluate(self, expression, timeout=60):
+        """The value of a JavaScript expression in the page (promises awaited)."""
+        result = self.call(
+            "Runtime.evaluate",
+            timeout,
+            expression=expression,
+            awaitPromise=True,
+            returnByValue=True,
+        )
+        if "exceptionDetails" in result:
+            details = result["exceptionDetails"]
+            text = details.get("exception", {}).get("description") or details["text"]
+            raise AssertionError(f"JavaScript failed: {text}")
+        return result["result"].get("value")
+
+    def wait_for(self, expression, timeout=60, message=None):
+        """Poll a JavaScript expression until it is truthy; return its value."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = self.evaluate(expression)
+            if value:
+                return value
+            time.sleep(0.25)
+        raise AssertionError(message or f"still false after {timeout} s: {expression}")
+
+    def open(self, url, timeout=60):
+        """Load `url` and wait until the page and what it loads are in."""
+        self.call("Page.navigate", url=url)
+        self.wait_for("document.readyState === 'complete'", timeout)
+
+    def move_pointer(self, x, y):
+        self.call("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
+
+    def press(self, key, code, key_code, modifiers=0):
+        """Press and release one key; modifiers: 8 is Shift (DevTools' bit mask)."""
+        for kind in ("rawKeyDown", "keyUp"):
+            self.call(
+                "Input.dispatchKeyEvent",
+                type=kind,
+                key=key,
+                code=code,
+                windowsVirtualKeyCode=key_code,
+                modifiers=modifiers,
+            )
+
+    def requested_urls(self):
+        """Every URL the page asked for so far (data: URLs included)."""
+        self.evaluate("0")  # collect the events that wait in the connection
+        return [
+            event["params"]["request"]["url"]
+            for event in self.events
+            if event.get("method") == "Network.requestWillBeSent"
+        ]
