@@ -69,7 +69,11 @@ class Browser:
     def close(self):
         socket = getattr(self, "socket", None)
         if socket is not None:
-            socket.close()
+
+            async def hang_up():  # tornado closes on the loop it is called from
+                socket.close()
+
+            self.loop.run_until_complete(hang_up())
         self.process.terminate()
         try:
             self.process.wait(timeout=30)
@@ -132,6 +136,18 @@ class Browser:
 
     def move_pointer(self, x, y):
         self.call("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
+
+    def click(self, x, y):
+        """Press and release the left button at (x, y), as a reader's click."""
+        for kind in ("mousePressed", "mouseReleased"):
+            self.call(
+                "Input.dispatchMouseEvent",
+                type=kind,
+                x=x,
+                y=y,
+                button="left",
+                clickCount=1,
+            )
 
     def press(self, key, code, key_code, modifiers=0):
         """Press and release one key; modifiers: 8 is Shift (DevTools' bit mask)."""

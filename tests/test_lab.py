@@ -29,8 +29,15 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from browser import Browser
 from bs4 import BeautifulSoup
-from conftest import book_title, free_port, run_chromium, skip_or_fail_in_ci
+from conftest import (
+    CHROMIUM_FLAGS,
+    book_title,
+    free_port,
+    run_chromium,
+    skip_or_fail_in_ci,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VENV = REPO_ROOT / ".venv"
@@ -235,6 +242,61 @@ def test_the_book_opens_in_jupyterlab_in_a_browser(lab, chromium, tmp_path):
     config = json.loads(dom.select_one("#jupyter-config-data").get_text())
     extensions = {extension["name"] for extension in config["federated_extensions"]}
     assert "jupyterlab-jupytext" in extensions
+
+
+def test_a_reader_runs_the_first_cells_in_the_page_and_sees_a_chart(
+    lab, chromium, tmp_path
+):
+    """What a reader does first: click the top of the book and press Shift+Enter
+    down to the first chart (a rendered text cell just passes the selection on). The
+    code cells run in the kernel the page started, through the page's own websocket;
+    their output, printed text and then the chart, drawn by JupyterLab's Vega
+    renderer (no picture), comes back into the page."""
+    cells = nbformat.read(REPO_ROOT / NOTEBOOK, as_version=4).cells
+
+    def index(call):
+        return next(i for i, c in enumerate(cells) if call in c.source)
+
+    printing = index("show_example(example_layer_vs_batch_norm)")
+    charting = index("show_example(chart_subsequent_mask)")
+    cell = "document.querySelectorAll('.jp-Notebook .jp-Cell')"
+    active = f"[...{cell}].findIndex(c => c.classList.contains('jp-mod-active'))"
+    with Browser(chromium, CHROMIUM_FLAGS, tmp_path / "profile") as tab:
+        tab.open(lab["url"], timeout=120)
+        tab.wait_for(f"{cell}.length === {len(cells)}", timeout=120)
+        middle = tab.evaluate(
+            f"(() => {{ const box = {cell}[0].getBoundingClientRect();"
+            " return [box.x + box.width / 2, box.y + box.height / 2]; })()"
+        )
+        tab.click(*middle)
+        assert tab.evaluate(active) == 0
+
+        def run_down_to(last):  # run the selected cell, select the next one
+            for _ in range(len(cells)):
+                if tab.evaluate(active) > last:
+                    return
+                tab.press("Enter", "Enter", 13, modifiers=8)  # 8: Shift
+                time.sleep(0.2)
+            raise AssertionError(f"Shift+Enter did not move on past cell {last}")
+
+        # Each cell's output is read while it is on screen: JupyterLab takes cells far
+        # from the view out of the page.
+        run_down_to(printing)
+        printed = tab.wait_for(
+            f"{cell}[{printing}].querySelector('.jp-OutputArea')?.textContent",
+            timeout=180,
+            message="the cell that prints showed no output",
+        )
+        assert "LayerNorm: each row on its own" in printed
+        run_down_to(charting)
+        # JupyterLab's renderer for the Vega-Lite 5 output draws the marks itself.
+        vega = f"{cell}[{charting}].querySelector('.jp-RenderedVegaLite')"
+        drawn = f"{vega}?.querySelector('canvas.marks, svg.marks') != null"
+        tab.wait_for(drawn, timeout=120, message="the chart was not drawn by Vega")
+        assert tab.evaluate(f"{cell}[{charting}].querySelectorAll('img').length") == 0
+        # JupyterLab's first-open question about the news never popped up.
+        asked = "Would you like to get notified about official Jupyter news?"
+        assert asked not in tab.evaluate("document.body.innerText")
 
 
 def test_jupyterlab_asks_nothing_about_the_news_and_checks_for_no_update(lab):
