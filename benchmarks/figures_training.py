@@ -227,7 +227,7 @@ def figure_mfu(ctx):
                 f"torch.mm {settings.mm_size}^2 {name}",
                 peak / 1e9,
                 achieved / peak,
-                note="useful FLOPs: see training_flops in benchmarks/workloads.py",
+                note="useful FLOPs: see training_flops in workshop/flops.py",
             )
         )
     return rows

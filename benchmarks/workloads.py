@@ -6,7 +6,8 @@ bench's device, before anything is timed.
 Every name the benchmark takes from workshop/ is imported here, and only here;
 bf16_pays(device) is the workshop's rule for whether bfloat16 pays (on a GPU: its
 bfloat16 hardware; on the CPU: a timed matrix product), re-exported for the figures,
-and parse_device(text), the command line's check of --device, re-exported for bench.py.
+parse_device(text), the command line's check of --device, re-exported for bench.py,
+and training_flops, the workshop's count of useful FLOPs, for the figures.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 # repository root (PYTHONPATH=. .venv/bin/python benchmarks/bench.py by hand).
 import the_annotated_transformer as tat
 from workshop import fast
+from workshop.flops import training_flops as training_flops  # re-exported
 from workshop.precision import bf16_pays as bf16_pays  # re-exported, see above
 from workshop.processes import parse_device as parse_device  # re-exported
 from workshop.settings import RunConfig
@@ -172,40 +174,6 @@ def trainer(model, amp_dtype=None, smoothing=0.1, warmup=4000):
         return loss
 
     return train
-
-
-def training_flops(model, batches):
-    """Useful FLOPs of one training pass of `model` over `batches`.
-
-    Per sentence with s source and t target tokens (padding excluded: it is work, but
-    not useful work), over N layers of width d:
-
-        6 * (P_enc * s + (P_dec + P_gen) * t)      matrix multiplies by the weights
-      + 12 * N * d * (s^2 + t^2 + s*t)             attention scores and mixing
-
-    P_enc, P_dec, P_gen are the weight-matrix parameters of the encoder, decoder and
-    generator (embedding lookups are not multiplies). A forward pass multiplies and
-    adds once per weight per token (2 FLOPs); the backward pass costs twice that,
-    hence 6. Each attention layer forms Q K^T and weights V, 2 * L_q * L_k * d FLOPs
-    each forward, 3 times that with backward: 12 * L_q * L_k * d, for encoder self-
-    attention (s * s), decoder self-attention (t * t, the causal half included) and
-    cross-attention (t * s).
-    """
-
-    def matrices(module):
-        return sum(p.numel() for p in module.parameters() if p.dim() == 2)
-
-    p_enc, p_dec = matrices(model.encoder), matrices(model.decoder)
-    p_gen = matrices(model.generator)
-    n_layers, d_model = len(model.encoder.layers), model.generator.proj.in_features
-    flops = 0
-    for batch in batches:
-        s = batch.src_mask[:, 0].sum(-1).double()  # (batch,) real source tokens
-        t = (batch.tgt_y != tat.PAD).sum(-1).double()  # (batch,) real target tokens
-        matmuls = 6 * (p_enc * s + (p_dec + p_gen) * t)
-        attention = 12 * n_layers * d_model * (s * s + t * t + s * t)
-        flops += float((matmuls + attention).sum())
-    return flops
 
 
 def source_batches(sentences, batch_size, device="cpu"):

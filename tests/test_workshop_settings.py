@@ -76,8 +76,43 @@ def test_word_vocabularies_without_sharing_stay_the_default():
     config = settings.RunConfig()
     assert (config.vocab, config.bpe_vocab_size) == ("word", 8000)
     assert not config.share_embeddings and not config.tie_generator
-    for profile in settings.TRAIN_PROFILES:
+    assert config.embedding_init == "glorot" and config.flop_budget is None
+    for profile in set(settings.TRAIN_PROFILES) - {"multi30k"}:
         assert settings.RunConfig.from_profile(profile).vocab == "word"
+
+
+def test_the_multi30k_profile_spends_a_flop_budget_on_tied_subwords():
+    config = settings.RunConfig.from_profile("multi30k")
+    assert (config.vocab, config.share_embeddings, config.tie_generator) == (
+        "bpe",
+        True,
+        True,
+    )
+    assert config.embedding_init == "normal" and config.flop_budget > 0
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_normal_embedding_init_starts_embeddings_at_unit_size(shared):
+    """Entries drawn from N(0, 1/d_model): times sqrt(d_model), each embedding has
+    about unit size. 4,000 x 64 draws estimate the standard deviation to about
+    1/sqrt(2 * 256,000) = 0.14 % of itself; 2 % is beyond any chance."""
+    vocab = "bpe" if shared else "word"
+    config = settings.RunConfig.from_profile(
+        "smoke",
+        vocab=vocab,
+        share_embeddings=shared,
+        tie_generator=shared,
+        embedding_init="normal",
+        d_model=64,
+    )
+    model = config.make_model(4000, 4000)
+    for embeddings in (model.src_embed[0], model.tgt_embed[0]):
+        std = embeddings.lut.weight.std().item()
+        assert std == pytest.approx(64**-0.5, rel=0.02)
+    if shared:
+        assert model.src_embed[0].lut.weight is model.generator.proj.weight
+    glorot = settings.RunConfig.from_profile("smoke", d_model=64).make_model(4000, 4000)
+    assert glorot.src_embed[0].lut.weight.std().item() < 0.5 * 64**-0.5
 
 
 @pytest.mark.parametrize(
@@ -87,6 +122,7 @@ def test_word_vocabularies_without_sharing_stay_the_default():
         ({"vocab": "chars"}, "'word' or 'bpe'"),
         ({"vocab": "bpe", "bpe_vocab_size": 100}, "at least 260"),
         ({"bpe_vocab_size": 0}, "bpe_vocab_size"),
+        ({"embedding_init": "xavier"}, "'glorot' or 'normal'"),
     ],
 )
 def test_train_config_rejects_bad_subword_settings_with_a_clear_message(

@@ -12,6 +12,7 @@
 - multi30k.py     downloading Multi30k and checking its files against their digests
 - results.py      evaluate (BLEU with signatures) and reproduce (the README's Results)
 - figures.py      the book's diagrams and charts as PNG files
+- flops.py        a training run's useful FLOPs, which a profile's budget spends
 - fast.py         speed tricks: a cheaper dropout, fused attention, a fused
                   label-smoothing loss
 - files.py        one atomic write for every file the project writes

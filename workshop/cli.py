@@ -116,7 +116,9 @@ def build_parser():
         "--resume", action="store_true", help="continue the run in --out"
     )
     train.add_argument(
-        "--epochs", type=_positive_int, help="the profile's epochs, or more to resume"
+        "--epochs",
+        type=_positive_int,
+        help="epochs to train (instead of a FLOP budget), or more to resume",
     )
     train.add_argument("--max-tokens", type=_positive_int, help="tokens per batch")
     train.add_argument("--accum-iter", type=_positive_int, help="micro-batches a step")
@@ -287,6 +289,8 @@ def _run_command(args):
             overrides["bpe_vocab_size"] = args.bpe_vocab_size
         if args.share_embeddings:
             overrides["share_embeddings"] = overrides["tie_generator"] = True
+        if args.epochs is not None and not args.resume:
+            overrides["flop_budget"] = None  # the epochs asked for, not the budget's
         if args.resume:  # the run's own settings; only --epochs may grow
             if args.profile is not None:
                 overrides["profile"] = args.profile

@@ -254,6 +254,8 @@ def reproduce(
         "train_seconds_measured": "wall clock" if train else "sum of epochs",
         "epochs": len(history),
         "epochs_planned": run["config"]["epochs"],
+        "training_flops": sum(r.get("training_flops", 0.0) for r in history),
+        "flop_budget": run["config"].get("flop_budget"),
         "stopped_by_time_limit": run.get("stopped"),  # None: the whole budget ran
         "history": history,
         "val_ppl": history[-1]["val_ppl"],
@@ -314,6 +316,8 @@ def results_markdown(record):
         "",
         _speed_line(record["history"]),
         "",
+        _flops_line(record),
+        "",
         "| German | Reference | Greedy | Beam |",
         "|---|---|---|---|",
     ]
@@ -343,6 +347,15 @@ def _speed_line(history):
         f"{seconds / 60:.0f} min, validation and checkpoints not included). A machine "
         f"that trains S target tokens/s needs about {tokens / 60:,.0f} / S minutes."
     )
+
+
+def _flops_line(record):
+    """The training FLOPs the run spent (workshop.flops), and its budget if any."""
+    spent, budget = record["training_flops"], record["flop_budget"]
+    line = f"Training FLOPs (useful, as workshop/flops.py counts them): {spent:.4e}"
+    if budget is None:
+        return line + "."
+    return line + f", of a budget of {budget:.4e} ({budget:,.0f})."
 
 
 def _table_cell(text):

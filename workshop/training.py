@@ -36,6 +36,7 @@ from workshop.checkpoints import (
     save_checkpoint,
     vocabs_from_checkpoint,
 )
+from workshop.flops import epochs_for_budget, training_flops
 from workshop.precision import (
     Autocast,
     AutocastLossCompute,
@@ -218,6 +219,22 @@ def train(job):
             f"{start_epoch} of {config.epochs} epochs done, {spent / 60:.1f} min spent"
         )
     say(f"model: {count_parameters(module):,} parameters")
+    epoch_flops = training_flops(
+        module,
+        data.batches(
+            "train",
+            TokenBudgetBatchSampler(
+                data.lengths("train"), config.max_tokens, shuffle=False
+            ),
+        ),
+    )
+    if config.flop_budget is not None and checkpoint is None:
+        epochs = epochs_for_budget(config.flop_budget, epoch_flops)
+        say(
+            f"training FLOP budget {config.flop_budget:,.0f}: one epoch costs "
+            f"{epoch_flops:,.0f}, so {epochs} epochs, {epochs * epoch_flops:,.0f} FLOPs"
+        )
+        config = replace(config, epochs=epochs)
     amp = amp_dtype_for(config.bf16, device, say, job.distributed)
     use_tf32(device, say)
     model, evaluated = models_for_run(module, amp, job.distributed, device)
@@ -274,7 +291,8 @@ def train(job):
             mode="eval",
         )
         tokens = (train_state.tokens - tokens_before) * job.world_size
-        history.append(epoch_record(epoch, train_loss, val_nll, seconds, tokens, say))
+        record = epoch_record(epoch, train_loss, val_nll, seconds, tokens, say)
+        history.append(record | {"training_flops": epoch_flops})
         if job.rank == 0:
             progress = {
                 "optimizer": optimizer.state_dict(),
