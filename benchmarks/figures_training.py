@@ -120,7 +120,7 @@ def figure_training(ctx):
             "torch.nn.Transformer",
             ref,
             ours / ref,
-            Goal(">=", 1.0),
+            Goal(">=", 1.5),  # issue 28: half as fast again as PyTorch's own
             note=(
                 f"batches of {TRAIN_BATCH} ragged sentences <= {MAX_SENTENCE} "
                 f"tokens, vocabularies {sizes.vocab}; parameter counts "

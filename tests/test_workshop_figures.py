@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from conftest import PNG_SIGNATURE
 
+import the_annotated_transformer as tat
 from workshop import cli, figures
 
 CHANNELS = {0: 1, 2: 3, 4: 2, 6: 4}  # PNG colour type -> samples per pixel
@@ -143,3 +144,18 @@ def test_a_figure_that_fails_to_render_keeps_the_old_png_and_no_temporary(
         figures.save_png("<svg/>", path)
     assert path.read_bytes() == PNG_SIGNATURE + b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chart.png"]
+
+
+def test_attention_labels_show_subwords_as_text_and_words_as_they_are():
+    """Byte-level BPE writes a leading space as 'Ġ' and 'ü' as its two UTF-8 bytes
+    ('Ã¼'); a chart's labels show the text instead."""
+    texts = ["Zwei Hunde laufen über die Straße."] * 20
+    vocab = tat.SubwordVocab.build(texts, vocab_size=300)
+    ids = [tat.BOS, *vocab.encode("Hunde über"), tat.EOS]
+    tokens = vocab.lookup_tokens(ids)
+    assert any("Ġ" in token or "Ã" in token for token in tokens)  # raw: unreadable
+    shown = figures.readable(vocab, tokens)
+    assert (shown[0], shown[-1]) == ("<s>", "</s>")
+    assert "".join(shown[1:-1]) == "Hundeüber"  # however the words were cut
+    words = ["<s>", "Hunde", "</s>"]
+    assert figures.readable(tat.Vocab([*tat.SPECIALS, "Hunde"]), words) is words

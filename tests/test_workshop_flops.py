@@ -37,9 +37,7 @@ def test_training_flops_leave_padding_out():
         torch.tensor([[0, 6, 1, tat.PAD]]),
         tat.PAD,
     )
-    assert flops.training_flops(model, [padded]) == flops.training_flops(
-        model, [short]
-    )
+    assert flops.training_flops(model, [padded]) == flops.training_flops(model, [short])
 
 
 def test_a_budget_buys_whole_epochs_and_refuses_less_than_one():

@@ -15,6 +15,7 @@ from itertools import pairwise
 from pathlib import Path
 
 from the_annotated_transformer import (
+    SubwordVocab,
     attention_table,
     attention_weights,
     chart_attention,
@@ -54,7 +55,21 @@ KINDS = {
 def attention_maps(translator, sentence, layer=0, heads=None):
     """The three attention charts of one layer (counted from 0; -1 is the last) for
     `sentence`, keyed by kind: a heat map per head (all by default)."""
-    table = attention_table(attention_weights(translator, sentence))
+    found = attention_weights(translator, sentence)
+    vocabs = {"source": translator.vocab_src, "target": translator.vocab_tgt}
+    sides = {
+        "encoder_self_attention": ("source", "source"),
+        "decoder_self_attention": ("target", "target"),
+        "decoder_source_attention": ("target", "source"),
+    }
+    for kind, (queries, keys) in sides.items():
+        layers, query_tokens, key_tokens = found[kind]
+        found[kind] = (
+            layers,
+            readable(vocabs[queries], query_tokens),
+            readable(vocabs[keys], key_tokens),
+        )
+    table = attention_table(found)
     n_layers, n_heads = table["layer"].max() + 1, table["head"].max() + 1
     heads = list(range(n_heads)) if heads is None else list(heads)
     in_range = -n_layers <= layer < n_layers
@@ -69,6 +84,15 @@ def attention_maps(translator, sentence, layer=0, heads=None):
         title = f"{name}, layer {layer}"
         charts[kind] = heat_maps.facet("head:N", columns=4).properties(title=title)
     return charts
+
+
+def readable(vocab, tokens):
+    """Tokens as a reader would write them: a subword's text ('Ġ', its leading space,
+    dropped; a letter written as its UTF-8 bytes, such as 'Ã¼', shown as 'ü'), a
+    special or a word as it is."""
+    if not isinstance(vocab, SubwordVocab):
+        return tokens
+    return [vocab.decode([vocab[token]]).strip() or token for token in tokens]
 
 
 def save_attention_maps(checkpoint, sentence, out_dir, layer=0, heads=None):

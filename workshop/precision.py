@@ -66,6 +66,7 @@ def amp_dtype_for(bf16, device, say=print, distributed=False):
         pays = pays.to(device)
         torch.distributed.all_reduce(pays, op=torch.distributed.ReduceOp.MIN)
     if bool(pays.item()):
+        say(f"bfloat16 autocast: {reason}.")
         return torch.bfloat16
     if paying:
         reason = "another process's device does not gain from bfloat16"
