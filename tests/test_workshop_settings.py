@@ -123,6 +123,7 @@ def test_normal_embedding_init_starts_embeddings_at_unit_size(shared):
         ({"vocab": "bpe", "bpe_vocab_size": 100}, "at least 260"),
         ({"bpe_vocab_size": 0}, "bpe_vocab_size"),
         ({"embedding_init": "xavier"}, "'glorot' or 'normal'"),
+        ({"cooldown": 1.5}, "cooldown is the share"),
     ],
 )
 def test_train_config_rejects_bad_subword_settings_with_a_clear_message(

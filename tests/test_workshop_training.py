@@ -118,6 +118,22 @@ def test_a_run_within_its_time_limit_trains_its_whole_budget_unmarked(smoke_run)
     assert "stopped" not in checkpoints.load_checkpoint(smoke_run.out / "last.pt")
 
 
+def test_a_cooldown_brings_the_rate_to_zero_at_the_runs_last_step(
+    smoke_run, multi30k_dir, tmp_path_factory
+):
+    """cooldown=0.5: the rate falls linearly to 0 over the second half of the run's
+    steps, so after the last one it is exactly 0; without it, the paper's rate is
+    still well above 0."""
+    cooled = train_run(smoke_config(cooldown=0.5), multi30k_dir, tmp_path_factory, "c")
+
+    def last_rate(run):
+        state = checkpoints.load_checkpoint(run.out / "last.pt")["optimizer"]
+        return state["param_groups"][0]["lr"]
+
+    assert last_rate(cooled) == 0.0
+    assert last_rate(smoke_run) > 0.0
+
+
 def test_an_epoch_checkpoint_rebuilds_the_trained_model(smoke_run):
     model, vocab_src, vocab_tgt, config = checkpoints.model_from_checkpoint(
         checkpoints.load_checkpoint(smoke_run.out / "epoch_002.pt")

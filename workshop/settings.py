@@ -35,6 +35,9 @@ class RunConfig(tat.TrainConfig):
     # Training FLOPs (workshop.flops) a new run may spend: it trains the most whole
     # epochs they pay for, and `epochs` is ignored. None: `epochs` decides.
     flop_budget: float | None = None
+    # The share of the run's last optimizer steps over which the rate falls linearly
+    # to 0 (the book's make_optimizer); 0: the paper's schedule to the end.
+    cooldown: float = 0.0
 
     def make_model(self, src_vocab, tgt_vocab):
         """The book's model for these settings, with Part 4's shared matrices and
@@ -114,6 +117,11 @@ class RunConfig(tat.TrainConfig):
             raise ValueError(
                 f"bpe_vocab_size must be at least {len(SPECIALS) + 256} (the four "
                 f"specials and the 256 bytes), got {self.bpe_vocab_size}."
+            )
+        if not (isinstance(self.cooldown, (int, float)) and 0 <= self.cooldown <= 1):
+            raise ValueError(
+                "cooldown is the share of the last steps over which the rate falls "
+                f"to 0 and must be between 0 and 1, got {self.cooldown!r}."
             )
         if self.embedding_init not in ("glorot", "normal"):
             raise ValueError(

@@ -207,18 +207,6 @@ def train(job):
     torch.manual_seed(config.seed)
     sizes = len(data.vocab_src), len(data.vocab_tgt)
     module = make_run_model(config, *sizes).to(device)  # the book's model, trained
-    optimizer, scheduler = make_optimizer(
-        module, config.base_lr, config.d_model, config.factor, config.warmup
-    )
-    train_state, start_epoch, history, spent = TrainState(), 0, [], 0.0
-    if checkpoint is not None:
-        progress = restore(checkpoint, module, optimizer, scheduler)
-        train_state, start_epoch, history, spent = progress
-        say(
-            f"resuming {job.out_dir / 'last.pt'} (profile {config.profile}): "
-            f"{start_epoch} of {config.epochs} epochs done, {spent / 60:.1f} min spent"
-        )
-    say(f"model: {count_parameters(module):,} parameters")
     epoch_flops = training_flops(
         module,
         data.batches(
@@ -235,19 +223,38 @@ def train(job):
             f"{epoch_flops:,.0f}, so {epochs} epochs, {epochs * epoch_flops:,.0f} FLOPs"
         )
         config = replace(config, epochs=epochs)
-    amp = amp_dtype_for(config.bf16, device, say, job.distributed)
-    use_tf32(device, say)
-    model, evaluated = models_for_run(module, amp, job.distributed, device)
-    criterion = fast.LabelSmoothing(len(data.vocab_tgt), PAD, config.label_smoothing)
-    loss_compute = loss_compute_for_run(
-        module.generator, criterion, amp, job.distributed
-    )
     sampler = ShardedBatchSampler(
         data.lengths("train"),
         config.max_tokens,
         seed=config.seed,
         num_replicas=job.world_size,
         rank=job.rank,
+    )
+    steps = config.epochs * math.ceil(len(sampler) / config.accum_iter)
+    optimizer, scheduler = make_optimizer(
+        module,
+        config.base_lr,
+        config.d_model,
+        config.factor,
+        config.warmup,
+        total_steps=steps,
+        cooldown=config.cooldown,
+    )
+    train_state, start_epoch, history, spent = TrainState(), 0, [], 0.0
+    if checkpoint is not None:
+        progress = restore(checkpoint, module, optimizer, scheduler)
+        train_state, start_epoch, history, spent = progress
+        say(
+            f"resuming {job.out_dir / 'last.pt'} (profile {config.profile}): "
+            f"{start_epoch} of {config.epochs} epochs done, {spent / 60:.1f} min spent"
+        )
+    say(f"model: {count_parameters(module):,} parameters")
+    amp = amp_dtype_for(config.bf16, device, say, job.distributed)
+    use_tf32(device, say)
+    model, evaluated = models_for_run(module, amp, job.distributed, device)
+    criterion = fast.LabelSmoothing(len(data.vocab_tgt), PAD, config.label_smoothing)
+    loss_compute = loss_compute_for_run(
+        module.generator, criterion, amp, job.distributed
     )
     val_sampler = TokenBudgetBatchSampler(
         data.lengths("val"), config.max_tokens, shuffle=False
