@@ -46,6 +46,38 @@ def greedy_steps(model, memory, src_mask, steps, cache=None):
     return ys
 
 
+def weight_reads(model, steps):
+    """What any cached greedy step must do at batch 1, `steps` times: multiply one
+    vector by every weight matrix of the decoder and the generator (cross-attention's
+    keys and values excepted: the cache computes them once). At batch 1 these are
+    matrix-vector products, bound by reading the weights from memory, so their time
+    is the floor under a cached step, and recomputation's time over it is the most a
+    cache can gain."""
+    cached_once = {
+        id(p)
+        for layer in model.decoder.layers
+        for linear in layer.src_attn.linears[1:3]
+        for p in linear.parameters()
+    }
+    modules = [model.decoder, model.generator]
+    weights = [
+        p
+        for m in modules
+        for p in m.parameters()
+        if p.dim() == 2 and id(p) not in cached_once
+    ]
+    device = weights[0].device
+    vectors = {w.size(1): torch.randn(1, w.size(1), device=device) for w in weights}
+
+    def run():
+        with torch.no_grad():
+            for _ in range(steps):
+                for w in weights:
+                    vectors[w.size(1)] @ w.t()
+
+    return run
+
+
 def figure_decoding(ctx):
     """Greedy decoding with the key/value cache against without."""
     settings, sizes = ctx.settings, ctx.settings.decode_sizes
@@ -60,6 +92,8 @@ def figure_decoding(ctx):
             return greedy_steps(model, memory, src_mask, steps, cache)
 
         fns = {cached: functools.partial(generate, cached) for cached in (False, True)}
+        if batch == 1:
+            fns["floor"] = weight_reads(model, steps)
         seconds = median_times(
             fns, settings.repeats, min_run_time=settings.min_run_time
         )
@@ -76,6 +110,24 @@ def figure_decoding(ctx):
                 note="value: seconds with the cache",
             )
         )
+        if batch == 1:
+            rows.append(
+                Row(
+                    "greedy_cache_bound_batch1",
+                    f"greedy, {steps} tokens, batch 1: most a cache can gain",
+                    seconds["floor"],
+                    "s",
+                    "without the cache",
+                    seconds[False],
+                    seconds[False] / seconds["floor"],
+                    None,
+                    note=(
+                        "value: seconds of the matrix-vector products every cached "
+                        "step must do (reading each decoder and generator weight once "
+                        "a token); the cache's speed-up cannot exceed the ratio"
+                    ),
+                )
+            )
     return rows
 
 

@@ -28,7 +28,11 @@ ROWS = {
     "bf16": ["training_bf16", "loss_bf16_vs_fp32"],
     "mfu": ["mfu_fp32", "mfu_bf16"],
     "pipeline": ["pipeline", "pipeline_padding"],
-    "decoding": ["greedy_cache_batch1", "greedy_cache_batch64"],
+    "decoding": [
+        "greedy_cache_batch1",
+        "greedy_cache_bound_batch1",
+        "greedy_cache_batch64",
+    ],
     "batching": ["translate_batched"],
     "beam": ["beam4_batch1", "beam4_batch64"],
     "startup": ["import", "copy_task", "copy_task_exact"],
