@@ -18,6 +18,7 @@ from workloads import (
     beam,
     book_model,
     greedy,
+    memory_projections,
     quick_profile_sizes,
     source_batches,
     synthetic_pairs,
@@ -53,12 +54,7 @@ def weight_reads(model, steps):
     matrix-vector products, bound by reading the weights from memory, so their time
     is the floor under a cached step, and recomputation's time over it is the most a
     cache can gain."""
-    cached_once = {
-        id(p)
-        for layer in model.decoder.layers
-        for linear in layer.src_attn.linears[1:3]
-        for p in linear.parameters()
-    }
+    cached_once = {id(p) for m in memory_projections(model) for p in m.parameters()}
     modules = [model.decoder, model.generator]
     weights = [
         p

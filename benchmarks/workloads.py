@@ -7,7 +7,8 @@ Every name the benchmark takes from workshop/ is imported here, and only here;
 bf16_pays(device) is the workshop's rule for whether bfloat16 pays (on a GPU: its
 bfloat16 hardware; on the CPU: a timed matrix product), re-exported for the figures,
 parse_device(text), the command line's check of --device, re-exported for bench.py,
-and training_flops, the workshop's count of useful FLOPs, for the figures.
+and training_flops, the workshop's count of useful FLOPs, with memory_projections,
+the layers it counts per source token, for the figures.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 # repository root (PYTHONPATH=. .venv/bin/python benchmarks/bench.py by hand).
 import the_annotated_transformer as tat
 from workshop import fast
+from workshop.flops import memory_projections as memory_projections  # re-exported
 from workshop.flops import training_flops as training_flops  # re-exported
 from workshop.precision import bf16_pays as bf16_pays  # re-exported, see above
 from workshop.processes import parse_device as parse_device  # re-exported

@@ -139,27 +139,30 @@ class Browser:
 
     def click(self, x, y):
         """Press and release the left button at (x, y), as a reader's click."""
-        for kind in ("mousePressed", "mouseReleased"):
-            self.call(
-                "Input.dispatchMouseEvent",
-                type=kind,
-                x=x,
-                y=y,
-                button="left",
-                clickCount=1,
-            )
+        self._down_and_up(
+            "Input.dispatchMouseEvent",
+            ("mousePressed", "mouseReleased"),
+            x=x,
+            y=y,
+            button="left",
+            clickCount=1,
+        )
 
     def press(self, key, code, key_code, modifiers=0):
         """Press and release one key; modifiers: 8 is Shift (DevTools' bit mask)."""
-        for kind in ("rawKeyDown", "keyUp"):
-            self.call(
-                "Input.dispatchKeyEvent",
-                type=kind,
-                key=key,
-                code=code,
-                windowsVirtualKeyCode=key_code,
-                modifiers=modifiers,
-            )
+        self._down_and_up(
+            "Input.dispatchKeyEvent",
+            ("rawKeyDown", "keyUp"),
+            key=key,
+            code=code,
+            windowsVirtualKeyCode=key_code,
+            modifiers=modifiers,
+        )
+
+    def _down_and_up(self, method, kinds, **params):
+        """One input event of each kind, in order (a press, then its release)."""
+        for kind in kinds:
+            self.call(method, type=kind, **params)
 
     def requested_urls(self):
         """Every URL the page asked for so far (data: URLs included)."""

@@ -33,11 +33,7 @@ def training_flops(model, batches):
 
     p_enc, p_dec = matrices(model.encoder), matrices(model.decoder)
     p_gen = matrices(model.generator)
-    p_kv = sum(
-        matrices(linear)
-        for layer in model.decoder.layers
-        for linear in layer.src_attn.linears[1:3]
-    )
+    p_kv = sum(matrices(linear) for linear in memory_projections(model))
     n_layers, d_model = len(model.encoder.layers), model.generator.proj.in_features
     flops = 0
     for batch in batches:
@@ -47,6 +43,17 @@ def training_flops(model, batches):
         attention = 12 * n_layers * d_model * (s * s + t * t + s * t)
         flops += float((matmuls + attention).sum())
     return flops
+
+
+def memory_projections(model):
+    """The linear layers that project the encoder's output into cross-attention's
+    keys and values: they run once per source token (and a key/value cache runs
+    them once per sentence), not once per target token."""
+    return [
+        linear
+        for layer in model.decoder.layers
+        for linear in layer.src_attn.linears[1:3]
+    ]
 
 
 def epochs_for_budget(budget, epoch_flops):
