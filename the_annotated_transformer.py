@@ -107,7 +107,7 @@ from torch import nn
 # A PNG of it, rendered on this machine, goes along for viewers that run no
 # JavaScript, such as GitHub's. `PROFILE` picks how much work the examples do.
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 PROFILE = os.environ.get("ANNOTATED_TRANSFORMER_PROFILE", "quick")
 
 
