@@ -24,12 +24,18 @@
 # This project follows the spirit of Harvard NLP's
 # [Annotated Transformer](https://nlp.seas.harvard.edu/annotated-transformer/)
 # (2018, revised 2022) and keeps its public names and signatures: that notebook's own
-# example code (its masks, `greedy_decode`, the copy task, a state dict saved by its
-# `make_model`) runs here unchanged, and the few names whose signatures differ are
-# listed at the end, in [What changed from the 2018/2022
-# notebook](#What-changed-from-the-2018/2022-notebook). Unlike it, this version runs
-# on a laptop CPU, needs no torchtext, no dead dataset links and no GPU, and its
-# claims are tested (see `tests/`).
+# example code (its masks, `greedy_decode`, its copy task with `DummyOptimizer` and
+# `DummyScheduler`, a state dict saved by its `make_model`) runs here, and the few
+# names whose signatures differ are listed at the end, in [What changed from the
+# 2018/2022 notebook](#What-changed-from-the-2018/2022-notebook). Unlike it, this
+# version runs on a laptop CPU, needs no torchtext, no dead dataset links and no GPU,
+# and its claims are tested (see `tests/`).
+#
+# **Reading it beside the paper.** Each component names the section and equation of
+# the paper it implements, as in *§3.2.1, Eq. (1)*, so a reader with the paper open
+# can check every piece. Code cells marked *show code* are folded: they hold support a
+# reader need not read to follow the Transformer (downloads, input checks, plotting,
+# compatibility with the 2018/2022 notebook). Unfold any of them to see it.
 #
 # **Contents**
 #
@@ -48,7 +54,8 @@
 # **How to run it**
 #
 # * As a notebook: `make lab` opens it in JupyterLab; run all cells. Part 3 downloads
-#   the Multi30k data set (1.7 MB) into `data/multi30k` the first time it needs it.
+#   the Multi30k data set (six files, 1.3 MB) into `data/multi30k` the first time it
+#   needs it.
 # * As a library: `from the_annotated_transformer import make_model, Batch, run_epoch`.
 #   Importing the module trains nothing, downloads nothing and draws nothing.
 # * As a script: `python the_annotated_transformer.py` trains the copy task. Long
@@ -65,12 +72,12 @@
 #   10 minutes on a 2-core CPU), `smoke` (tiny models, for tests) or `base` (the
 #   paper's base model, for a GPU).
 #
-# Block quotes that start with **Note** are our own commentary: tips, pitfalls, our
-# choices and places where this code differs from the paper; those that start with
-# **Changed** mark a fix of the 2018/2022 notebook, listed in full at the end. Any
-# paragraph marked *our reading* or *our choice* is ours too, and so are the sections
-# that say so (the key/value cache, beam search's code, the Results). The rest
-# explains the paper in our words.
+# **Whose words.** The prose explains the paper in our words and never quotes it.
+# Our own commentary is marked, always the same way: block quotes that start with
+# **Note** (tips, pitfalls, our choices, places where this code differs from the
+# paper), block quotes that start with **Changed** (a fix of the 2018/2022 notebook,
+# listed in full at the end), sentences marked *our reading* or *our choice*, and the
+# sections that say so (the key/value cache, beam search's code, the Results).
 
 # %% [markdown]
 # ## Preliminaries
@@ -78,6 +85,12 @@
 # Only the standard library, NumPy and PyTorch are imported at the top. Plotting
 # (altair, pandas) and the language tools (spaCy, sacreBLEU) are imported inside the
 # functions that use them, which keeps `import the_annotated_transformer` fast.
+# Examples are wrapped in `show_example` (folded below): it runs them when this file
+# is executed as a notebook, and does nothing when the module is imported or run as a
+# script. A chart an example returns is drawn by JupyterLab without the network
+# (point at a heat map's cell for its value; click a legend entry to pick a line),
+# with a PNG of it for viewers that run no JavaScript, such as GitHub's. `PROFILE`
+# picks how much work the examples do.
 
 # %%
 from __future__ import annotations
@@ -98,14 +111,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-# %% [markdown]
-# Examples are wrapped in `show_example`: it runs them when this file is executed as a
-# notebook, and does nothing when the module is imported or run as a script. A chart
-# an example returns is shown as itself, drawn by JupyterLab without the network:
-# point at a cell of a heat map for its value, click a legend entry to pick a line.
-# A PNG of it, rendered on this machine, goes along for viewers that run no
-# JavaScript, such as GitHub's. `PROFILE` picks how much work the examples do.
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
 PROFILE = os.environ.get("ANNOTATED_TRANSFORMER_PROFILE", "quick")
@@ -144,14 +149,29 @@ class ChartOutput:
 # %% [markdown]
 # ## Background
 #
-# Sequence models before the Transformer mostly read a sentence one position at a
-# time (recurrent networks) or through a stack of local windows (convolutions). Both
-# make it hard for distant words to influence each other: information has to travel
-# through many steps. Self-attention connects every position to every other position in
-# one step, at a cost that grows with the square of the sentence length.
+# *The paper's §2 and §4.* Sequence models before the Transformer mostly read a
+# sentence one position at a time (recurrent networks) or through a stack of local
+# windows (convolutions). Recurrence cannot be spread over parallel hardware within
+# one sentence. Convolutional models such as the Extended Neural GPU
+# ([Kaiser and Bengio, 2016](https://arxiv.org/abs/1610.08613)), ByteNet
+# ([Kalchbrenner et al., 2017](https://arxiv.org/abs/1610.10099)) and ConvS2S
+# ([Gehring et al., 2017](https://arxiv.org/abs/1705.03122)) compute every position at
+# once, but the number of layers a signal crosses between two positions grows with
+# their distance, logarithmically for ByteNet and linearly for ConvS2S. Self-attention
+# connects every position to every other position in one step, at a cost that grows
+# with the square of the sentence length. It was not new: it had read text for
+# reading comprehension ([Cheng et al., 2016](https://arxiv.org/abs/1601.06733)),
+# entailment ([Parikh et al., 2016](https://arxiv.org/abs/1606.01933)), summarisation
+# ([Paulus et al., 2017](https://arxiv.org/abs/1705.04304)) and sentence embeddings
+# ([Lin et al., 2017](https://arxiv.org/abs/1703.03130)), and end-to-end memory
+# networks ([Sukhbaatar et al., 2015](https://arxiv.org/abs/1503.08895)) had answered
+# simple questions by attending over several hops instead of recurring over the
+# positions. The
+# Transformer is the first translation model that uses no recurrence and no
+# convolution at all.
 #
-# The paper's Table 1 compares the three kinds of layer for a sequence of length $n$,
-# representation size $d$ and convolution kernel width $k$:
+# The paper's Table 1 (§4) compares the three kinds of layer for a sequence of length
+# $n$, representation size $d$ and convolution kernel width $k$:
 #
 # | Layer type | Work per layer | Sequential operations | Longest path between two positions |
 # |---|---|---|---|
@@ -161,25 +181,38 @@ class ChartOutput:
 # | Self-attention restricted to $r$ neighbours | $O(r \cdot n \cdot d)$ | $O(1)$ | $O(n/r)$ |
 #
 # For typical sentences $n$ is smaller than $d$ (a 30-word sentence against $d=512$), so
-# self-attention is also the cheapest of the three per layer. Its single-step path is
-# what makes long-range dependencies easy to learn. The price is that attention averages
-# over positions, which blurs detail; multi-head attention, below, is the paper's answer.
+# self-attention is also the cheapest of the three per layer. The paper argues that its
+# single-step path makes long-range dependencies easier to learn. It names the price
+# too: attention averages over positions, which blurs detail, and multi-head attention
+# (§3.2.2, below) is its answer.
 
 # %% [markdown]
 # ## Part 1: Model architecture
 #
-# Like most translation models of its time, the Transformer is an encoder-decoder. The
+# *§3.* Like most translation models of its time, the Transformer is an
+# encoder-decoder ([Bahdanau et al., 2014](https://arxiv.org/abs/1409.0473)). The
 # encoder turns the source tokens $(x_1, \dots, x_n)$ into a sequence of vectors
 # $\mathbf{z} = (z_1, \dots, z_n)$, called the *memory*. The decoder then writes the
 # output $(y_1, \dots, y_m)$ one token at a time, and each step reads the memory and
-# every token written so far: the model is *autoregressive*.
+# every token written so far: the model is *autoregressive*
+# ([Graves, 2013](https://arxiv.org/abs/1308.0850)).
+#
+# Two drawings of the same model, both made by our own code (`workshop/figures.py`).
+# The first is the paper's layout, its Figure 1: each sub-layer is followed by an
+# "Add & Norm" block (*post-norm*).
+#
+# ![The paper's layout (its Figure 1), redrawn: post-norm layers, each sub-layer
+# followed by Add & Norm](../images/architecture_post_norm.png)
+#
+# The second is the model as this book computes it by default: the normalisation moves
+# to the input of each sub-layer (*pre-norm*, explained in §3.1 below), and each stack
+# ends with one more LayerNorm. The boxes carry the names of the classes defined below.
 #
 # ![The model as this book builds it: an encoder stack and a decoder stack of pre-norm
 # layers, joined by the memory, and a generator on top](../images/architecture.png)
 #
-# The diagram above (drawn by our own code, `workshop/figures.py`) is the model as
-# this book computes it. `EncoderDecoder` wires its five parts together: the two
-# embeddings, the encoder, the decoder and the generator; each is defined below.
+# `EncoderDecoder` wires the five parts together: the two embeddings, the encoder,
+# the decoder and the generator; each is defined below.
 
 
 # %%
@@ -207,8 +240,9 @@ class EncoderDecoder(nn.Module):
 
 # %% [markdown]
 # The decoder's output is a vector of size $d_{\text{model}}$ per position. The
-# `Generator` maps it to a score for every word of the target vocabulary and turns the
-# scores into log-probabilities with a log-softmax.
+# `Generator` (*§3.4*, the "Linear" and "Softmax" boxes of Figure 1) maps it to a
+# score for every word of the target vocabulary and turns the scores into
+# log-probabilities with a log-softmax.
 
 
 # %%
@@ -224,12 +258,10 @@ class Generator(nn.Module):
 
 
 # %% [markdown]
-# ### Encoder and decoder stacks
+# ### Encoder and decoder stacks (§3.1)
 #
-# #### Encoder
-#
-# The encoder is $N = 6$ identical layers applied one after the other. `clones` makes
-# $N$ independent copies of a layer (each has its own weights).
+# The encoder is $N = 6$ identical layers applied one after the other, and so is the
+# decoder. `clones` makes $N$ independent copies of a layer (each has its own weights).
 
 
 # %%
@@ -241,14 +273,16 @@ def clones(module, N):
 # %% [markdown]
 # #### Layer normalisation
 #
-# Each sub-layer's output is normalised with
-# [layer normalisation](https://arxiv.org/abs/1607.06450). For a vector
+# Each sub-layer's output is normalised with layer normalisation
+# ([Ba et al., 2016](https://arxiv.org/abs/1607.06450)). For a vector
 # $x \in \mathbb{R}^{d}$ at one position,
 #
 # $$\mathrm{LayerNorm}(x) = a \odot \frac{x - \mu}{\sqrt{\sigma^2 + \epsilon}} + b,
 # \qquad \mu = \frac{1}{d}\sum_i x_i, \quad \sigma^2 = \frac{1}{d}\sum_i (x_i - \mu)^2,$$
 #
-# with a learned gain $a$ (`a_2`) and bias $b$ (`b_2`).
+# with a learned gain $a$ and bias $b$. In code they are `a_2` and `b_2`: odd names,
+# kept from the 2018/2022 notebook so that its saved weights (whose keys end in
+# `norm.a_2`) load here.
 #
 # > **Changed.** The original divided by the *unbiased* standard deviation plus
 # > $\epsilon$; ours is the layer-norm paper's formula and equals `torch.nn.LayerNorm`.
@@ -301,33 +335,12 @@ show_example(example_layer_vs_batch_norm)
 
 
 # %% [markdown]
-# After the last layer comes one more layer normalisation. It belongs to the
-# *pre-norm* layout explained below; in the paper's *post-norm* layout every layer
-# already ends with a normalisation, so the final one is left out (`final_norm=False`).
-
-
-# %%
-class Encoder(nn.Module):
-    """A stack of N encoder layers, then a final layer norm (pre-norm layout)."""
-
-    def __init__(self, layer, N, final_norm=True):
-        super().__init__()
-        self.layers = clones(layer, N)
-        self.norm = LayerNorm(layer.size) if final_norm else nn.Identity()
-
-    def forward(self, x, mask):
-        """Pass the input (and its padding mask) through every layer in turn."""
-        for layer in self.layers:
-            x = layer(x, mask)
-        return self.norm(x)
-
-
-# %% [markdown]
 # #### Residual connections, pre-norm and post-norm
 #
 # Around each sub-layer (attention or feed-forward) sits a residual connection
-# ([He et al., 2016](https://arxiv.org/abs/1512.03385)) followed by dropout. The paper
-# normalises *after* adding the residual (post-norm):
+# ([He et al., 2016](https://arxiv.org/abs/1512.03385)), and the sub-layer's output
+# passes through dropout before it is added (*§5.4*, "residual dropout"). The paper
+# normalises *after* adding the residual (post-norm, the "Add & Norm" of Figure 1):
 #
 # $$\text{post-norm:}\quad x \mapsto \mathrm{LayerNorm}\big(x + \mathrm{Dropout}(\mathrm{Sublayer}(x))\big)$$
 #
@@ -347,15 +360,10 @@ class Encoder(nn.Module):
 # Every sub-layer and embedding produces vectors of size $d_{\text{model}} = 512$ so that
 # the residual additions line up.
 #
-# #### Dropout
-#
 # Dropout ([Srivastava et al., 2014](https://jmlr.org/papers/v15/srivastava14a.html))
 # zeroes each element with probability $p$ while training and scales the survivors by
-# $1/(1-p)$, so the expected value is unchanged; in eval mode it does nothing. The
-# book uses `nn.Dropout` throughout.
-#
-# > **Note (speed, outside the book).** The workshop's training runs use a dropout
-# > that draws fewer random bits per element on a CPU (`workshop/fast.py`).
+# $1/(1-p)$, so the expected value is unchanged; in eval mode it does nothing.
+# `SublayerConnection` holds the norm, the dropout and the choice of layout.
 
 
 # %%
@@ -376,8 +384,10 @@ class SublayerConnection(nn.Module):
 
 
 # %% [markdown]
+# #### Encoder
+#
 # An encoder layer has two sub-layers: multi-head self-attention, then a position-wise
-# feed-forward network.
+# feed-forward network (both defined in the sections after this one).
 
 
 # %%
@@ -397,27 +407,31 @@ class EncoderLayer(nn.Module):
 
 
 # %% [markdown]
-# #### Decoder
-#
-# The decoder is also a stack of $N = 6$ identical layers.
+# The encoder is $N$ such layers, then one more layer normalisation. That last norm
+# belongs to the pre-norm layout: there, a layer's output is a sum that no norm has
+# seen yet. In the paper's post-norm layout every layer already ends with a
+# normalisation, so the final one is left out (`final_norm=False`).
 
 
 # %%
-class Decoder(nn.Module):
-    """A stack of N decoder layers, then a final layer norm (pre-norm layout)."""
+class Encoder(nn.Module):
+    """A stack of N encoder layers, then a final layer norm (pre-norm layout)."""
 
     def __init__(self, layer, N, final_norm=True):
         super().__init__()
         self.layers = clones(layer, N)
         self.norm = LayerNorm(layer.size) if final_norm else nn.Identity()
 
-    def forward(self, x, memory, src_mask, tgt_mask):
+    def forward(self, x, mask):
+        """Pass the input (and its padding mask) through every layer in turn."""
         for layer in self.layers:
-            x = layer(x, memory, src_mask, tgt_mask)
+            x = layer(x, mask)
         return self.norm(x)
 
 
 # %% [markdown]
+# #### Decoder
+#
 # A decoder layer has a third sub-layer between the two an encoder layer has: attention
 # over the encoder's output (the memory). Its queries come from the decoder; its keys
 # and values come from the memory.
@@ -445,18 +459,40 @@ class DecoderLayer(nn.Module):
 
 
 # %% [markdown]
+# The decoder stacks $N$ of them, with the same final norm as the encoder.
+
+
+# %%
+class Decoder(nn.Module):
+    """A stack of N decoder layers, then a final layer norm (pre-norm layout)."""
+
+    def __init__(self, layer, N, final_norm=True):
+        super().__init__()
+        self.layers = clones(layer, N)
+        self.norm = LayerNorm(layer.size) if final_norm else nn.Identity()
+
+    def forward(self, x, memory, src_mask, tgt_mask):
+        for layer in self.layers:
+            x = layer(x, memory, src_mask, tgt_mask)
+        return self.norm(x)
+
+
+# %% [markdown]
 # #### Masks
 #
 # Two masks decide which positions an attention layer may look at. Both are boolean
-# tensors where `True` means *may attend*.
+# tensors where `True` means *may attend* (PyTorch's own `nn.Transformer` uses the
+# opposite convention: there `True` hides).
 #
-# * The **padding mask** hides the `<blank>` tokens that fill short sentences up to the
-#   length of the longest one in a batch. Padding carries no meaning, so no query should
-#   draw information from it. Shape `(batch, 1, seq)`: the same for every query.
-# * The **subsequent (look-ahead) mask** is for decoder self-attention only. During
-#   training the decoder sees the whole target sentence at once, shifted right by one;
-#   position $i$ must not peek at the words it is about to predict. So query $i$ may
-#   attend to keys $j \le i$ only. Shape `(1, seq, seq)`: the same for every sentence.
+# * The **subsequent (look-ahead) mask** is the paper's (*§3.1* and *§3.2.3*), for
+#   decoder self-attention only. During training the decoder sees the whole target
+#   sentence at once, shifted right by one; position $i$ must not peek at the words it
+#   is about to predict. So query $i$ may attend to keys $j \le i$ only. Shape
+#   `(1, seq, seq)`: the same for every sentence.
+# * The **padding mask** is an implementation matter the paper leaves unsaid. It hides
+#   the `<blank>` tokens that fill short sentences up to the length of the longest one
+#   in a batch. Padding carries no meaning, so no query should draw information from
+#   it. Shape `(batch, 1, seq)`: the same for every query.
 #
 # The decoder's self-attention needs both at once (`padding & subsequent`): the
 # look-ahead mask keeps the future hidden, and the padding mask keeps the filler hidden
@@ -476,13 +512,13 @@ def padding_mask(tokens, pad):
 
 
 # %% [markdown]
-# The first chart of the book comes next. Every chart in it is one of two kinds: a
-# heat map of a matrix, or lines of a value against a step. `chart` draws either from
-# a table with one row per point, and `grid` turns a matrix into such a table, one row
-# per cell.
+# The first chart of the book comes next. Every chart in it is one of two kinds, drawn
+# by the folded helpers below: a heat map of a matrix, or lines of a value against a
+# step. Below, query positions are rows and key positions are columns; the shaded
+# cells are the positions each query may look at.
 
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def load_altair():
     """Import altair for a chart; our heat maps have more than its 5,000-row default."""
     import altair as alt
@@ -517,12 +553,7 @@ def grid(matrix, row, column, value):
     return pd.DataFrame({row: i.ravel(), column: j.ravel(), value: matrix.ravel()})
 
 
-# %% [markdown]
-# Below, query positions are rows and key positions are columns; the shaded cells are
-# the positions each query may look at.
-
-
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def chart_subsequent_mask(size=20):
     """A heat map of subsequent_mask(size): may query i attend to key j?"""
     alt = load_altair()
@@ -538,16 +569,18 @@ show_example(chart_subsequent_mask)
 
 
 # %% [markdown]
-# ### Attention
+# ### Attention (§3.2)
 #
 # An attention function takes a *query* and a set of *key*–*value* pairs, and returns a
 # weighted average of the values. The weight of each value says how well its key
-# matches the query. The paper's version is *scaled dot-product attention*: with the
-# queries, keys and values stacked as rows of matrices $Q$, $K$ (width $d_k$) and $V$,
+# matches the query. The paper's version is *scaled dot-product attention* (*§3.2.1,
+# Eq. (1)*): with the queries, keys and values stacked as rows of matrices $Q$, $K$
+# (width $d_k$) and $V$,
 #
 # $$\mathrm{Attention}(Q, K, V) = \mathrm{softmax}\!\left(\frac{Q K^\top}{\sqrt{d_k}}\right) V.$$
 #
-# ![Scaled dot-product attention, one operation per box](../images/scaled_dot_product_attention.png)
+# ![Scaled dot-product attention, one operation per box (the paper's Figure 2,
+# left)](../images/scaled_dot_product_attention.png)
 #
 # Row $i$ of $S = QK^\top/\sqrt{d_k}$ holds the scores of query $i$ against every key; the
 # softmax turns each row into weights that are positive and sum to one.
@@ -557,21 +590,24 @@ show_example(chart_subsequent_mask)
 # small feed-forward network, $v^\top \tanh(W_1 q + W_2 k)$. Both cost about the same
 # number of operations, but the dot product is one matrix multiplication for all
 # queries and keys at once, which hardware does fastest and which needs no extra
-# parameters. The paper reports that additive attention did better than *unscaled*
-# dot products for large $d_k$, and reads that as the softmax saturating; the
+# parameters. Additive attention did better than *unscaled* dot products for large
+# $d_k$ in the large study of [Britz et al. (2017)](https://arxiv.org/abs/1703.03906),
+# which the paper cites; the paper reads that as the softmax saturating, and the
 # $1/\sqrt{d_k}$ scale is its remedy.
 #
 # **Why divide by $\sqrt{d_k}$?** If the entries of a query and a key are independent with
 # mean 0 and variance 1, their dot product is a sum of $d_k$ such products and has
-# variance $d_k$. For $d_k = 64$ the scores then spread over a range of about $\pm 16$,
-# the softmax puts almost all weight on one key, and its gradient almost vanishes.
-# Dividing by $\sqrt{d_k}$ brings the variance back to 1. The cell after the function
-# measures both effects.
+# variance $d_k$ (the paper's footnote 4). For $d_k = 64$ the scores then spread over a
+# range of about $\pm 16$, and the softmax puts most of the weight on one key, where
+# its gradient is small (the paper's argument). Dividing by $\sqrt{d_k}$ brings the
+# variance back to 1. The cell after the function measures the first two effects:
+# the variance of the dot products, and the mean weight of the top key among ten.
 #
-# **Why a softmax and not a sigmoid per key?** The softmax makes the keys *compete*: the
-# weights sum to one, so the output is an average of the values and stays on their scale
-# however many keys there are. Independent sigmoids would let every key switch on at
-# once, and the size of the output would grow with the sentence length.
+# **Why a softmax and not a sigmoid per key?** *Our reading:* the softmax makes the
+# keys *compete*. The weights sum to one, so the output is an average of the values and
+# stays on their scale however many keys there are. Independent sigmoids would let
+# every key switch on at once, and the size of the output would grow with the
+# sentence length.
 #
 # A mask marks the keys a query may see; a 0 (or `False`) hides a key. Hidden
 # positions get the most negative number the scores' dtype can hold before the
@@ -617,12 +653,14 @@ show_example(example_why_scale)
 
 
 # %% [markdown]
-# ### Multi-head attention
+# ### Multi-head attention (§3.2.2)
 #
-# One attention function averages everything it looks at into one vector, so it can
-# follow one kind of relation at a time. Multi-head attention runs $h$ attentions side by
-# side, each on its own learned projection of the inputs to a smaller width
-# $d_k = d_v = d_{\text{model}}/h$, and concatenates the results:
+# The paper's argument for several heads: one attention function averages what it
+# looks at into one vector, and that averaging keeps it from attending to different
+# kinds of information, from different representation subspaces, at the same time.
+# Multi-head attention runs $h$ attentions side by side, each on its own learned
+# projection of the inputs to a smaller width $d_k = d_v = d_{\text{model}}/h$, and
+# concatenates the results:
 #
 # $$\mathrm{MultiHead}(Q, K, V) = \mathrm{Concat}(\mathrm{head}_1, \dots, \mathrm{head}_h)\,W^O,
 # \qquad \mathrm{head}_i = \mathrm{Attention}(Q W^Q_i, K W^K_i, V W^V_i),$$
@@ -633,7 +671,8 @@ show_example(example_why_scale)
 # $d_k = d_v = 64$; the total work is about that of one full-width attention.
 #
 # ![Multi-head attention: projections of Q, K and V, h heads of attention side by side,
-# concatenated and projected back](../images/multi_head_attention.png)
+# concatenated and projected back (the paper's Figure 2,
+# right)](../images/multi_head_attention.png)
 #
 # In code the $h$ projections $W^Q_1 \dots W^Q_h$ are one $d_{\text{model}} \times
 # d_{\text{model}}$ linear layer whose output is split into $h$ slices, and likewise for
@@ -683,7 +722,7 @@ class MultiHeadedAttention(nn.Module):
 
 
 # %% [markdown]
-# ### The three uses of attention in the model
+# ### The three uses of attention in the model (§3.2.3)
 #
 # The same `MultiHeadedAttention` class is used in three places. What differs is where
 # the queries, keys and values come from, and which mask applies. With $n$ source
@@ -702,10 +741,10 @@ class MultiHeadedAttention(nn.Module):
 # sequence-to-sequence models ([Bahdanau et al., 2014](https://arxiv.org/abs/1409.0473)).
 
 # %% [markdown]
-# ### Position-wise feed-forward networks
+# ### Position-wise feed-forward networks (§3.3)
 #
 # After attention, each position passes through the same small two-layer network, on
-# its own:
+# its own (*Eq. (2)*):
 #
 # $$\mathrm{FFN}(x) = \max(0,\; x W_1 + b_1)\, W_2 + b_2,$$
 #
@@ -741,19 +780,21 @@ class PositionwiseFeedForward(nn.Module):
 
 
 # %% [markdown]
-# ### Embeddings and softmax
+# ### Embeddings and softmax (§3.4)
 #
-# Learned embeddings turn token ids into vectors of size $d_{\text{model}}$; the
-# `Generator` above turns decoder vectors back into a distribution over the target
-# vocabulary. The paper multiplies embeddings by $\sqrt{d_{\text{model}}}$ and does
-# not say why. *Our reading:* embedding matrices start with small entries (Xavier
+# Learned embeddings turn token ids into vectors of size $d_{\text{model}}$ (the
+# lookup table is `lut`, a name kept from the 2018/2022 notebook so that its saved
+# weights load here); the `Generator` above turns decoder vectors back into a
+# distribution over the target vocabulary. The paper multiplies embeddings by
+# $\sqrt{d_{\text{model}}}$ and does not say why. *Our reading:* embedding matrices start with small entries (Xavier
 # initialisation gives them a standard deviation of $\sqrt{2/(V + d_{\text{model}})}$,
 # under 0.01 for a 37,000-token vocabulary), so without the scale the positional
 # encodings added next, with entries in $[-1, 1]$, would swamp the words at first; the
-# factor $\sqrt{512} \approx 22.6$ narrows that gap. It also *shares* one matrix between
-# the two embeddings and the
-# generator's projection; `make_model(..., share_embeddings=True, tie_generator=True)`
-# does that (see below).
+# factor $\sqrt{512} \approx 22.6$ narrows that gap. The paper also *shares* one matrix
+# between the two embeddings and the generator's projection, following
+# [Press and Wolf (2017)](https://arxiv.org/abs/1608.05859);
+# `make_model(..., share_embeddings=True, tie_generator=True)` does that (below, and
+# Part 4).
 
 
 # %%
@@ -773,7 +814,7 @@ class Embeddings(nn.Module):
 
 
 # %% [markdown]
-# ### Positional encoding
+# ### Positional encoding (§3.5)
 #
 # Attention itself ignores order: shuffle the keys and values together and the output
 # does not change. So the model adds to each embedding a vector that depends only on
@@ -791,8 +832,9 @@ class Embeddings(nn.Module):
 # attend to.
 #
 # **Why fixed sines rather than learned positions?** The paper also tried learning
-# one vector per position, like a word embedding, and found nearly the same results
-# (its Table 3, row E). It kept the sinusoids because they are defined for every
+# one vector per position, like a word embedding, as ConvS2S did
+# ([Gehring et al., 2017](https://arxiv.org/abs/1705.03122)), and found nearly the
+# same results (its Table 3, row E). It kept the sinusoids because they are defined for every
 # position: a model trained on sentences of up to 50 tokens still has a code for
 # position 200, while a learned table has no row for a position it never saw. (Whether
 # the model *uses* such codes well is another matter: [Press et al.
@@ -941,8 +983,10 @@ show_example(example_relative_position_is_linear)
 # ### Full model
 #
 # `make_model` builds the whole Transformer from its sizes. The defaults are the
-# paper's base model: $N = 6$, $d_{\text{model}} = 512$, $d_{ff} = 2048$, $h = 8$,
-# dropout 0.1. Weights of every matrix start from Glorot/Xavier uniform initialisation:
+# paper's base model (*§3*, and the "base" row of Table 3): $N = 6$,
+# $d_{\text{model}} = 512$, $d_{ff} = 2048$, $h = 8$, dropout 0.1. Weight matrices start
+# from Glorot/Xavier uniform initialisation
+# ([Glorot and Bengio, 2010](https://proceedings.mlr.press/v9/glorot10a.html)):
 # *our choice*, kept from the original notebook; the paper does not say how it
 # initialised.
 #
@@ -952,19 +996,19 @@ show_example(example_relative_position_is_linear)
 # * `share_embeddings=True` — one embedding matrix for source and target; needs a
 #   vocabulary shared by both languages (`src_vocab == tgt_vocab`), as with the paper's
 #   byte-pair vocabularies.
-# * `tie_generator=True` — the generator's projection reuses the target embedding matrix
-#   ([Press & Wolf, 2017](https://arxiv.org/abs/1608.05859)). The paper does both.
+# * `tie_generator=True` — the generator's projection reuses the target embedding
+#   matrix. The paper does both (§3.4).
+# * `embedding_init` — how the embedding matrices start: `"glorot"`, like every other
+#   matrix, or `"normal"`, drawn from $\mathcal{N}(0, 1/d_{\text{model}})$. The default
+#   is `"normal"` when a matrix is shared and `"glorot"` otherwise; Part 4 shows why.
 # * `max_len` — the longest sequence the positional encoding accepts.
-
-
-# %% [markdown]
+#
 # `make_model` is where a user first hands the library numbers, so it checks them
-# there, once, and says in one line which setting it cannot build; the classes above
-# trust what they are given. `require` and `check_positive_int` are the two checks
-# the book uses at such boundaries.
+# there, once, and says in one line which setting it cannot build (the folded cell
+# below); the classes above trust what they are given.
 
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def require(ok, message, error=ValueError):
     """Raise error(message) unless `ok`: bad input gets one line saying what to fix."""
     if not ok:
@@ -978,21 +1022,36 @@ def check_positive_int(**sizes):
         require(whole and n >= 1, f"{name} must be a positive integer, got {n!r}.")
 
 
-# %%
 def check_sizes(src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout, **options):
     """Raise a ValueError naming the first of make_model's settings it cannot build."""
-    max_len, share_embeddings = options["max_len"], options["share_embeddings"]
     check_positive_int(
         src_vocab=src_vocab, tgt_vocab=tgt_vocab, N=N, d_model=d_model, d_ff=d_ff, h=h
     )
-    check_positive_int(max_len=max_len)
+    check_positive_int(max_len=options["max_len"])
     require(d_model % h == 0, f"d_model={d_model} is not divisible by h={h}.")
     odd = f"d_model={d_model} is odd; the positional encoding needs it even."
     require(d_model % 2 == 0, odd)  # each frequency gives a sine and a cosine
     require(0.0 <= dropout < 1.0, f"dropout must be in [0, 1), got {dropout!r}.")
-    one_vocab = not share_embeddings or src_vocab == tgt_vocab
+    one_vocab = not options["share_embeddings"] or src_vocab == tgt_vocab
     sizes = f"src_vocab={src_vocab} and tgt_vocab={tgt_vocab}"
     require(one_vocab, f"share_embeddings=True needs one vocabulary, not {sizes}.")
+    init = options["embedding_init"]
+    known = f"embedding_init must be 'glorot' or 'normal', got {init!r}."
+    require(init in ("glorot", "normal"), known)
+
+
+# %%
+def initialize(model, embedding_init="glorot"):
+    """Glorot/Xavier uniform for every matrix (a shared one once); with "normal",
+    the embedding matrices from N(0, 1/d_model) instead."""
+    for p in model.parameters():
+        if p.dim() > 1:
+            nn.init.xavier_uniform_(p)
+    if embedding_init == "normal":  # about unit size once scaled by sqrt(d_model)
+        embeds = model.src_embed[0], model.tgt_embed[0]
+        for weight in {id(e.lut.weight): e.lut.weight for e in embeds}.values():
+            nn.init.normal_(weight, 0.0, embeds[0].d_model ** -0.5)
+    return model
 
 
 # %%
@@ -1008,11 +1067,15 @@ def make_model(
     norm_first=True,
     share_embeddings=False,
     tie_generator=False,
+    embedding_init=None,
     max_len=5000,
 ):
     """Build an EncoderDecoder Transformer from its hyperparameters."""
+    tied = share_embeddings or tie_generator
+    embedding_init = embedding_init or ("normal" if tied else "glorot")
     sizes = (src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout)
-    check_sizes(*sizes, max_len=max_len, share_embeddings=share_embeddings)
+    options = dict(share_embeddings=share_embeddings, embedding_init=embedding_init)
+    check_sizes(*sizes, max_len=max_len, **options)
     c = copy.deepcopy
     attn = MultiHeadedAttention(h, d_model, dropout)
     ff = PositionwiseFeedForward(d_model, d_ff, dropout)
@@ -1030,11 +1093,7 @@ def make_model(
         model.src_embed[0].lut.weight = model.tgt_embed[0].lut.weight
     if tie_generator:
         model.generator.proj.weight = model.tgt_embed[0].lut.weight
-    # Glorot / Xavier initialisation for every matrix (shared ones are listed once).
-    for p in model.parameters():
-        if p.dim() > 1:
-            nn.init.xavier_uniform_(p)
-    return model
+    return initialize(model, embedding_init)
 
 
 # %% [markdown]
@@ -1042,13 +1101,8 @@ def make_model(
 # (its Table 3) doubles the width, $d_{\text{model}} = 1024$ and $d_{ff} = 4096$, with
 # $h = 16$ heads of the same $d_k = 64$ and dropout 0.3 for English→German; it is
 # `make_model(V, V, N=6, d_model=1024, d_ff=4096, h=16, dropout=0.3)`. The paper
-# reports 65 and 213 million parameters. The cell below counts ours with a shared
-# 37,000-token vocabulary and all three matrices tied, building the models on PyTorch's
-# `meta` device, which records shapes and allocates no memory.
-#
-# > **Note.** By our count the base model has about 63 million parameters, 2 million
-# > fewer than the paper's 65 (its Table 3 rounds, and does not say what it counted);
-# > the big model has 214 million. `tests/test_part1_model.py` checks the counts by hand.
+# reports 65 and 213 million parameters. `count_parameters` counts ours, a shared
+# matrix once.
 
 
 # %%
@@ -1057,6 +1111,17 @@ def count_parameters(model):
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+# %% [markdown]
+# The cell below counts both sizes with a shared 37,000-token vocabulary and all
+# three matrices tied, building the models on PyTorch's `meta` device, which records
+# shapes and allocates no memory.
+#
+# > **Note.** By our count the base model has about 63 million parameters, 2 million
+# > fewer than the paper's 65 (its Table 3 rounds, and does not say what it counted);
+# > the big model has 214 million. `tests/test_part1_model.py` checks the counts by hand.
+
+
+# %%
 def example_parameter_count():
     """Parameters of the paper's base and big models (shared vocabulary, tied)."""
     big = dict(N=6, d_model=1024, d_ff=4096, h=16, dropout=0.3)
@@ -1112,31 +1177,6 @@ show_example(run_tests)
 
 
 # %% [markdown]
-# The masks here are boolean. The 2018/2022 notebook built the same masks as floats
-# (`torch.ones(1, 1, 10)`) and as integers (`subsequent_mask(n).type_as(src)`), and
-# code written that way works here too: `attention` hides every position whose mask
-# entry is 0, whatever the dtype. The cell decodes one step with each kind.
-
-
-# %%
-def example_masks_of_any_dtype():
-    """One decoding step with boolean, float and integer masks: the same output."""
-    torch.manual_seed(0)
-    model, src = make_model(11, 11, N=2).eval(), torch.arange(1, 11).unsqueeze(0)
-    ys = torch.zeros(1, 3, dtype=torch.long)
-    with torch.no_grad():
-        out = [
-            model(src, ys, torch.ones(1, 1, 10).to(t), subsequent_mask(3).to(t))
-            for t in (torch.bool, torch.float, torch.long)
-        ]
-    same = all(torch.equal(o, out[0]) for o in out)
-    print(f"boolean, float and integer masks give the same output: {same}")
-
-
-show_example(example_masks_of_any_dtype)
-
-
-# %% [markdown]
 # ## Part 2: Model training
 #
 # This part builds the machinery to train the model: batches with their masks, a loop
@@ -1155,7 +1195,19 @@ show_example(example_masks_of_any_dtype)
 #
 # > **Note.** `Batch(src, tgt, pad)` keeps the original notebook's signature. The
 # > default `pad=2` is the id of `<blank>` in the Part 3 vocabularies; the copy task
-# > below passes `pad=0`.
+# > below passes `pad=0`. `Batch` checks that it was given two 2-D tensors of token
+# > ids (the folded cell below).
+
+
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+def check_token_ids(**tensors):
+    """Refuse ids that are not 2-D integer tensors, and targets too short to shift."""
+    for name, ids in tensors.items():
+        ok = torch.is_tensor(ids) and ids.dim() == 2 and not ids.is_floating_point()
+        message = f"Batch: {name} must be a 2-D tensor of integer token ids."
+        require(ids is None or ok, message, TypeError)
+    short = tensors["tgt"] is not None and tensors["tgt"].size(1) < 2
+    require(not short, "Batch: tgt needs at least 2 tokens per row (<s> and a word).")
 
 
 # %%
@@ -1163,7 +1215,7 @@ class Batch:
     """A batch of source and (optionally) target ids, with their attention masks."""
 
     def __init__(self, src, tgt=None, pad=2):
-        _check_token_ids(src=src, tgt=tgt)
+        check_token_ids(src=src, tgt=tgt)
         self.src = src
         self.src_mask = padding_mask(src, pad)  # (batch, 1, src_len)
         if tgt is not None:
@@ -1186,15 +1238,6 @@ class Batch:
 
     def __len__(self):
         return self.src.size(0)
-
-
-def _check_token_ids(**tensors):
-    for name, ids in tensors.items():
-        ok = torch.is_tensor(ids) and ids.dim() == 2 and not ids.is_floating_point()
-        message = f"Batch: {name} must be a 2-D tensor of integer token ids."
-        require(ids is None or ok, message, TypeError)
-    short = tensors["tgt"] is not None and tensors["tgt"].size(1) < 2
-    require(not short, "Batch: tgt needs at least 2 tokens per row (<s> and a word).")
 
 
 # %% [markdown]
@@ -1227,7 +1270,10 @@ show_example(example_padded_batch)
 # `run_epoch` runs the model over one pass of the data and returns the mean loss per
 # target token. In training it back-propagates and steps the optimizer. With
 # `accum_iter > 1` it *accumulates* the gradients of several micro-batches before each
-# optimizer step, which trains with a larger batch than fits in memory at once.
+# optimizer step: the step follows the gradient of a batch `accum_iter` times larger,
+# while the activations of only one micro-batch are held at a time. (The loop first
+# lists the epoch's batches, to know where the last group ends; their token ids are
+# small beside the activations.)
 #
 # The accumulation is exact. The micro-batches of one optimizer step form a *group*:
 # every `accum_iter` batches, and whatever is left at the end of the epoch. Each
@@ -1243,8 +1289,12 @@ show_example(example_padded_batch)
 # epochs.
 #
 # > **Changed.** The 2018/2022 notebook's loop had five defects, fixed here and
-# > tested in `tests/test_part2_training.py`;
-# > [the table at the end](#What-changed-from-the-2018/2022-notebook) lists them.
+# > tested in `tests/test_part2_training.py`, and one behaviour differs on purpose:
+# > it stepped the learning-rate schedule after every micro-batch, ours once per
+# > optimizer step. With its own settings for Multi30k (`accum_iter=10`, warm-up
+# > 3,000) its warm-up ended after 300 optimizer steps, ours after 3,000: ten times
+# > as many batches. [The table at the end](#What-changed-from-the-2018/2022-notebook)
+# > lists all six.
 
 
 # %%
@@ -1340,9 +1390,9 @@ def run_epoch(
 
 
 # %% [markdown]
-# ### Training data and batching in the paper
+# ### Training data and batching in the paper (§5.1, §5.2)
 #
-# The facts of the paper's setup (its section 5), for reference:
+# The facts of the paper's setup, for reference:
 #
 # | | English→German | English→French |
 # |---|---|---|
@@ -1350,40 +1400,31 @@ def run_epoch(
 # | Vocabulary | byte-pair encoding, about 37,000 tokens shared by both languages | word pieces, 32,000 tokens |
 # | Batches | sentence pairs grouped by length, about 25,000 source and 25,000 target tokens a batch | same |
 #
-# ### Hardware and schedule
-#
 # | Model | Hardware | Time per step | Steps | Training time |
 # |---|---|---|---|---|
 # | Base | 8 NVIDIA P100 GPUs | about 0.4 s | 100,000 | 12 hours |
 # | Big | 8 NVIDIA P100 GPUs | about 1.0 s | 300,000 | 3.5 days |
 #
-# And the results (its Table 2): BLEU on the newstest2014 test sets, and the
-# training cost in floating-point operations, which the paper estimated from training
-# time, the number of GPUs and their sustained single-precision speed. The
-# big Transformer beat all of these earlier models in both directions, and the base
-# one in English→German, at a fraction of their training cost:
-#
-# | Model | BLEU En→De | BLEU En→Fr | Training cost En→De (FLOPs) | Training cost En→Fr (FLOPs) |
-# |---|---|---|---|---|
-# | GNMT + RL | 24.6 | 39.92 | $2.3 \cdot 10^{19}$ | $1.4 \cdot 10^{20}$ |
-# | ConvS2S | 25.16 | 40.46 | $9.6 \cdot 10^{18}$ | $1.5 \cdot 10^{20}$ |
-# | MoE | 26.03 | 40.56 | $2.0 \cdot 10^{19}$ | $1.2 \cdot 10^{20}$ |
-# | Transformer, base | 27.3 | 38.1 | $3.3 \cdot 10^{18}$ | $3.3 \cdot 10^{18}$ |
-# | Transformer, big | 28.4 | 41.8 | $2.3 \cdot 10^{19}$ | $2.3 \cdot 10^{19}$ |
+# What these runs bought, and at what cost against earlier models, is in Part 5
+# (the paper's Table 2).
 
 # %% [markdown]
-# ### Optimizer
+# ### Optimizer (§5.3)
 #
-# The paper trains with Adam ($\beta_1 = 0.9$, $\beta_2 = 0.98$, $\epsilon = 10^{-9}$) and
-# a learning rate that first rises linearly for `warmup` steps (4000 in the paper), then
-# decays with the inverse square root of the step number:
+# The paper trains with Adam ([Kingma and Ba, 2015](https://arxiv.org/abs/1412.6980);
+# $\beta_1 = 0.9$, $\beta_2 = 0.98$, $\epsilon = 10^{-9}$) and a learning rate that first
+# rises linearly for `warmup` steps (4000 in the paper), then decays with the inverse
+# square root of the step number (*Eq. (3)*):
 #
 # $$lrate = d_{\text{model}}^{-0.5} \cdot \min\!\big(step^{-0.5},\;
 #   step \cdot warmup^{-1.5}\big).$$
 #
 # The two terms of the minimum are equal at $step = warmup$, where the rate peaks. The
-# warm-up keeps early updates small while Adam's running estimates of the gradient
-# moments are still noisy.
+# paper does not say why it warms up. *Our reading*, which
+# [Liu et al. (2020)](https://arxiv.org/abs/1908.03265) measured: Adam divides each
+# step by a running estimate of the gradient's second moment, and in the first steps
+# that estimate rests on a handful of gradients and is noisy; small early steps keep
+# the noise from throwing the weights far.
 #
 # Two knobs scale the curve, and they multiply: `factor` inside `rate` (the
 # original notebook's name), and `base_lr`, Adam's learning rate, which `LambdaLR`
@@ -1394,6 +1435,20 @@ def run_epoch(
 # `rate` is used as the multiplier of a `torch.optim.lr_scheduler.LambdaLR`, which calls
 # it with the number of steps taken so far, starting at 0; step 0 is treated as step 1
 # so that nothing is divided by zero.
+#
+# `make_optimizer` builds both. `model_size` is the model's own $d_{\text{model}}$
+# unless given: the paper's formula ties the peak rate to the width, and a small model
+# trained with the base model's 512 would learn at a fraction of its rate. It also
+# asks for PyTorch's *fused* Adam, which does the whole update of one parameter tensor
+# (both moments, the bias correction, the step) in one kernel instead of a pass per
+# operation; on a GPU one launch covers many tensors, on a CPU it is one kernel per
+# tensor.
+#
+# *Our addition:* a **cooldown**. Given the run's `total_steps`, the rate is multiplied
+# by a factor that falls linearly from 1 to 0 over the last `cooldown` share of the
+# steps. The paper's rate only decays like $step^{-0.5}$, so a short run ends while it
+# is still high; the copy task below and the `multi30k` run of Part 5 cool down, and
+# each says what that bought.
 
 
 # %%
@@ -1407,7 +1462,7 @@ def rate(step, model_size, factor, warmup):
 def make_optimizer(
     model,
     base_lr=1.0,
-    model_size=512,
+    model_size=None,
     factor=1.0,
     warmup=4000,
     *,
@@ -1416,8 +1471,8 @@ def make_optimizer(
 ):
     """Adam with the paper's betas and eps, and a LambdaLR running `rate`; with
     total_steps, the rate falls linearly to 0 over their last `cooldown` share."""
+    model_size = model_size or model.src_embed[0].d_model  # the model's width
     cooldown_steps = round(cooldown * total_steps) if cooldown else 0
-    # fused=True updates all parameters in one kernel instead of a dozen per tensor.
     optimizer = torch.optim.Adam(
         model.parameters(), lr=base_lr, betas=(0.9, 0.98), eps=1e-9, fused=True
     )
@@ -1436,7 +1491,7 @@ def make_optimizer(
 # > **Changed.** The original drew this chart by stepping a real optimizer 20,000
 # > times per setting; `rate` is a plain function of the step, so we call it.
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 LR_SETTINGS = ((512, 1.0, 4000), (512, 1.0, 8000), (256, 1.0, 4000))
 
 
@@ -1458,7 +1513,7 @@ show_example(chart_learning_rate)
 
 
 # %% [markdown]
-# ### Regularisation
+# ### Regularisation (§5.4)
 #
 # **Dropout.** The paper applies dropout ($P_{drop} = 0.1$ for the base model) to the
 # output of every sub-layer before the residual addition, and to the sums of embeddings
@@ -1467,10 +1522,11 @@ show_example(chart_learning_rate)
 # and on the inner layer of the feed-forward network, which the paper does not
 # mention.
 #
-# **Label smoothing.** Instead of asking the model to put all probability on the right
-# word, the training target puts $1 - \epsilon_{ls}$ on it and spreads
-# $\epsilon_{ls} = 0.1$ evenly over the other words. The model becomes less certain,
-# which the paper notes hurts perplexity but improves accuracy and BLEU.
+# **Label smoothing** ([Szegedy et al., 2016](https://arxiv.org/abs/1512.00567)).
+# Instead of asking the model to put all probability on the right word, the training
+# target puts $1 - \epsilon_{ls}$ on it and spreads $\epsilon_{ls} = 0.1$ evenly over
+# the other words. The model becomes less certain, which the paper notes hurts
+# perplexity but improves accuracy and BLEU.
 #
 # `LabelSmoothing` measures the Kullback–Leibler divergence
 # $\sum_c q_c (\log q_c - \log p_c)$ from that target distribution $q$ to the model's
@@ -1532,7 +1588,7 @@ class LabelSmoothing(nn.Module):
 # zero).
 
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def chart_label_smoothing(smoothing=0.4):
     """The smoothed target distribution for five example targets (one per row)."""
     crit = LabelSmoothing(5, 0, smoothing)
@@ -1560,6 +1616,7 @@ def safe_log(p):
     return torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))
 
 
+# %%
 def smoothed_loss_for_confidence(x, smoothing=0.1):
     """The loss when the right word (of 4) gets x / (x + 3) of the probability."""
     crit = LabelSmoothing(5, 0, smoothing)
@@ -1568,6 +1625,7 @@ def smoothed_loss_for_confidence(x, smoothing=0.1):
     return crit(safe_log(predict), torch.LongTensor([1])).item()
 
 
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def chart_penalization(smoothing=0.1):
     """Loss against the model's confidence x in the right word (it gets x / (x + 3))."""
     points = [
@@ -1659,7 +1717,7 @@ class SimpleLossCompute:
 # the mode it found.
 
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 @contextlib.contextmanager
 def evaluating(model):
     """Run the block with `model` in eval mode, then restore the mode it had."""
@@ -1671,6 +1729,7 @@ def evaluating(model):
         model.train(was_training)
 
 
+# %%
 def decode_step(model, memory, src_mask, ys, cache=None):
     """Log-probabilities of the next token after the prefixes `ys`: (batch, vocab)."""
     if cache is not None:  # Part 4: only the positions not cached yet are computed
@@ -1813,6 +1872,7 @@ def copy_examples(model, config=None, n=5, seed=1234):
     return batch.src.cpu(), out.cpu()
 
 
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def example_simple_model(config=None, *, quiet=False):
     """Train the copy task and print sources beside their decoded copies."""
     start = time.perf_counter()
@@ -1873,12 +1933,12 @@ show_example(example_copy_task)
 # data and schedule (6 epochs, the rate cooled to zero over the last half), and the
 # chart shows the validation loss after each epoch, on a log scale.
 #
-# What we saw: pre-norm's loss falls faster at every epoch and ends about seven times
-# lower (about $0.019$ against $0.13$ when we ran it); post-norm learns the task too,
-# only later. What to conclude: with this short warm-up (50
-# steps) and a rate tuned for pre-norm, the layout whose residual path skips the
-# normalisations learns faster, as Xiong et al. found. It is one seed of one small
-# task, not a verdict on the paper's layout, which reached its results with a
+# The cell prints both curves and how many times lower pre-norm's final loss is. In
+# our runs pre-norm's loss fell faster at every epoch and ended several times lower,
+# and post-norm learned the task too, only later. What to conclude: with this short
+# warm-up (50 steps) and a rate tuned for pre-norm, the layout whose residual path
+# skips the normalisations learns faster, as Xiong et al. found. It is one seed of one
+# small task, not a verdict on the paper's layout, which reached its results with a
 # 4,000-step warm-up and a schedule of its own.
 
 
@@ -1892,6 +1952,7 @@ def compare_layouts(epochs=6, seed=0):
     return curves
 
 
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def chart_layouts(curves):
     """Validation NLL per epoch for each layout (log scale)."""
     alt = load_altair()
@@ -1905,10 +1966,14 @@ def chart_layouts(curves):
     return chart(points, "line", title, x="epoch:Q", y=log_y, color="layout:N")
 
 
+# %%
 def example_layouts():
+    """Both layouts' curves, printed and drawn, and the ratio of their final losses."""
     curves = compare_layouts()
     for name, values in curves.items():
         print(f"{name}: validation NLL after each epoch {[f'{v:.2g}' for v in values]}")
+    ratio = curves["post-norm"][-1] / curves["pre-norm"][-1]
+    print(f"post-norm's final loss is {ratio:.1f} times pre-norm's")
     return chart_layouts(curves)
 
 
@@ -1924,11 +1989,16 @@ show_example(example_layouts)
 # for testing (`test_2016_flickr`). It is small enough to train on a laptop CPU and
 # large enough for a model to learn real translations.
 #
+# The road from text to a trained translator has six stops, one section each:
+# **pairs** of sentences read from the files, **tokens** cut from each sentence, a
+# **vocabulary** that gives each token an id, **batches** of ids with their masks,
+# **training** with Part 2's loop, and **translating** new sentences.
+#
 # > **Changed.** The original loaded Multi30k through torchtext from a host that is
 # > gone; we read the files ourselves, from the Multi30k project's repository, checked
 # > by SHA-256.
 #
-# ### Data loading
+# ### Pairs
 #
 # The files are gzipped text, one sentence a line, `{split}.{lang}.gz`, the German and
 # English files line-aligned. `read_split` returns a split as a list of
@@ -1954,17 +2024,16 @@ def read_split(data_dir, split):
 
 
 # %% [markdown]
-# Where the files come from. The notebook keeps them in `data/multi30k` inside the
-# repository (git ignores it), or in the user's cache when the book is used from
-# somewhere else, and downloads them there the first time an example needs them:
-# six files, about 1.7 MB together, from the Multi30k project's own repository. Each
-# is kept only if its SHA-256 digest is the published one (PyTorch's
-# `torch.hub.download_url_to_file` checks it, and writes nothing on a mismatch).
-# A reader who has the files elsewhere names that folder in the environment variable
+# Where the files come from (the folded cells below). The notebook keeps them in
+# `data/multi30k` inside the repository (git ignores it), or in the user's cache when
+# the book is used from somewhere else, and downloads them there the first time an
+# example needs them: six files, 1.3 MB together, from the Multi30k project's own
+# repository. Each is kept only if its SHA-256 digest is the published one. A reader
+# who has the files elsewhere names that folder in the environment variable
 # `ANNOTATED_TRANSFORMER_DATA` before starting Jupyter, and then nothing is fetched.
 
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 DATA_ENV = "ANNOTATED_TRANSFORMER_DATA"
 MULTI30K_URL = (
     "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/"
@@ -1983,6 +2052,7 @@ MULTI30K_SHA256 = dict(  # file name -> its published SHA-256 digest
 )
 
 
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def data_dir_from_env():
     """The data folder named by $ANNOTATED_TRANSFORMER_DATA, or None."""
     value = os.environ.get(DATA_ENV)
@@ -1998,6 +2068,7 @@ def default_data_dir():
     return Path.home() / ".cache" / "annotated-transformer" / "multi30k"
 
 
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def fetch_multi30k(data_dir, base_url=MULTI30K_URL):
     """Download the Multi30k files that `data_dir` lacks, each checked against its
     published SHA-256; returns data_dir."""
@@ -2013,14 +2084,17 @@ def fetch_multi30k(data_dir, base_url=MULTI30K_URL):
 
 
 # %% [markdown]
-# ### Tokenizers
+# ### Tokens
 #
 # Words are split with [spaCy](https://spacy.io)'s rule-based tokenizers for German and
 # English. The original notebook downloaded spaCy's `de_core_news_sm` and
-# `en_core_web_sm` pipelines for this, but only ever used their tokenizers; those
-# tokenizers come from the language classes themselves (punctuation, exceptions such
-# as "z.B." or "don't"). `spacy.blank("de")` builds the same tokenizer with no model
-# to download, so the example works offline and installs in seconds.
+# `en_core_web_sm` pipelines for this, but only ever used their tokenizers. spaCy
+# builds a pipeline's tokenizer from its language's rules (punctuation, and exceptions
+# such as "z.B." or "don't"), and `spacy.blank("de")` builds a tokenizer from the same
+# rules with no model to download, so the example works offline and installs in
+# seconds. *Our reading:* the two should cut text alike, unless a pipeline's
+# configuration changes its tokenizer; we have not compared them token for token,
+# since that needs the download we avoid.
 
 
 # %%
@@ -2048,16 +2122,41 @@ def tokenize(text, tokenizer):
 # > **Changed.** The original counted words in the validation and test splits too,
 # > a small leak; we count the training split only.
 #
-# `Vocab` offers the calls the original code used from torchtext (`vocab(tokens)`,
-# `lookup_tokens`, `get_stoi`, `get_itos`, `len`), and saves itself as JSON: safe to load
-# and readable.
+# `Vocab` also answers the calls the original code made of torchtext's vocabulary
+# (`lookup_tokens`, `get_stoi`, `get_itos`, `vocab[token]`, `token in vocab`): the
+# folded cell below defines them. It saves itself as JSON: safe to load and readable.
 
 # %%
 BOS, EOS, PAD, UNK = 0, 1, 2, 3
 SPECIALS = ("<s>", "</s>", "<blank>", "<unk>")
 
 
-class Vocab:
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+class TorchtextCalls:
+    """The calls the 2018/2022 notebook made of torchtext's vocabulary."""
+
+    def __len__(self):
+        return len(self.itos)
+
+    def __getitem__(self, token):
+        return self.stoi.get(token, UNK)
+
+    def __contains__(self, token):
+        return token in self.stoi
+
+    def lookup_tokens(self, ids):
+        """Ids -> token strings."""
+        return [self.itos[int(i)] for i in ids]
+
+    def get_stoi(self):
+        return dict(self.stoi)
+
+    def get_itos(self):
+        return list(self.itos)
+
+
+# %%
+class Vocab(TorchtextCalls):
     """A token <-> id mapping with the specials <s>, </s>, <blank>, <unk> first."""
 
     def __init__(self, itos):
@@ -2082,25 +2181,6 @@ class Vocab:
         """Token strings -> ids (unknown tokens -> <unk>)."""
         return [self.stoi.get(token, UNK) for token in tokens]
 
-    def __getitem__(self, token):
-        return self.stoi.get(token, UNK)
-
-    def __len__(self):
-        return len(self.itos)
-
-    def __contains__(self, token):
-        return token in self.stoi
-
-    def lookup_tokens(self, ids):
-        """Ids -> token strings."""
-        return [self.itos[int(i)] for i in ids]
-
-    def get_stoi(self):
-        return dict(self.stoi)
-
-    def get_itos(self):
-        return list(self.itos)
-
 
 # %%
 def build_vocabulary(train_pairs, spacy_de, spacy_en, min_freq=2):
@@ -2111,22 +2191,29 @@ def build_vocabulary(train_pairs, spacy_de, spacy_en, min_freq=2):
 
 
 # %% [markdown]
-# ### Batching with minimal padding
-#
 # Each sentence becomes `<s>`, its token ids, `</s>`. A sentence longer than `max_len`
 # ids is cut, keeping the `</s>` at its end so the model still learns where sentences
-# stop. A batch is padded only up to its own longest sentence.
+# stop. `encode_text` does this with either kind of vocabulary: the word-level `Vocab`
+# above, or the joint subword vocabulary of Part 4, which splits the text itself.
+
+
+# %%
+def encode_text(text, vocab, tokenizer, max_len=None):
+    """A sentence -> <s> + ids + </s> (at most max_len, </s> kept): spaCy words for a
+    `Vocab`; a subword vocabulary (Part 4's `SubwordVocab`) splits the text itself."""
+    if isinstance(vocab, Vocab):
+        ids = vocab(tokenize(text, tokenizer))
+    else:
+        ids = vocab.encode(text)
+    ids = ids if max_len is None else ids[: max(max_len - 2, 0)]
+    return [BOS, *ids, EOS]
+
+
+# %% [markdown]
+# ### Batches with minimal padding
 #
-# The paper grouped sentences of similar length into batches of about 25,000 tokens.
-# `TokenBudgetBatchSampler` does the same at our scale: it sorts the sentence pairs by
-# length (random order among equal lengths), cuts the sorted list into batches whose
-# padded size — sentences × longest sentence — stays within a token budget, and
-# shuffles the order of the batches. Short sentences thus travel in big batches and
-# long ones in small batches, and almost no position is padding. Everything random
-# comes from `seed + epoch`, so an epoch's batches can be reproduced (and resumed).
-#
-# > **Changed.** The original padded every sentence to 72 (or 128) positions in
-# > batches of 32; on Multi30k most of that work was padding.
+# A batch is padded only up to its own longest sentence: `collate_batch` turns a list
+# of id pairs into Part 2's `Batch`, masks included.
 
 
 # %%
@@ -2140,11 +2227,18 @@ def collate_batch(examples, pad_id=PAD):
     return Batch(pad_sequence(src, **pad), pad_sequence(tgt, **pad), pad_id)
 
 
-def padding_fraction(batches):
-    """The share of target positions in `batches` that are padding."""
-    total = sum(b.tgt_y.numel() for b in batches)
-    real = sum(b.ntokens for b in batches)
-    return 1.0 - real / max(total, 1)
+# %% [markdown]
+# The paper grouped sentences of similar length into batches of about 25,000 tokens
+# (§5.1). `TokenBudgetBatchSampler` does the same at our scale: it sorts the sentence
+# pairs by length (random order among equal lengths), cuts the sorted list into
+# batches whose padded size — sentences × longest sentence — stays within a token
+# budget (`cut_by_budget`), and shuffles the order of the batches. Short sentences
+# thus travel in big batches and long ones in small batches, and almost no position
+# is padding. Everything random comes from `seed + epoch`, so an epoch's batches can
+# be reproduced (and resumed).
+#
+# > **Changed.** The original padded every sentence to 72 (or 128) positions in
+# > batches of 32; on Multi30k most of that work was padding.
 
 
 # %%
@@ -2163,6 +2257,7 @@ def cut_by_budget(lengths, order, max_tokens):
     return batches
 
 
+# %%
 class TokenBudgetBatchSampler:
     """Batches of example indices whose padded size stays within `max_tokens`."""
 
@@ -2192,17 +2287,13 @@ class TokenBudgetBatchSampler:
 
 
 # %% [markdown]
-# ### Putting the data together
-#
-# `prepare_data` reads the splits, builds the tokenizers and (unless given) the
-# vocabularies from the training split, and turns every pair into id lists. Its
-# result, a `TranslationData`, is all the training loop needs. `encode_text` turns one
-# raw sentence into ids with either kind of vocabulary: the word-level `Vocab` above,
-# or the joint subword vocabulary of Part 4, which is then one object serving as both
-# `vocab_src` and `vocab_tgt` (pass `vocabs=(shared, shared)`).
+# `prepare_data` (folded) strings these stops together: it reads the splits, builds
+# the tokenizers and (unless given) the vocabularies from the training split, and
+# encodes every pair. Its result, a `TranslationData`, holds the encoded splits and
+# yields the batches of one with `data.batches(split, sampler)`.
 
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 @dataclass
 class TranslationData:
     """Tokenizers, vocabularies and the id-encoded splits of a translation corpus."""
@@ -2213,7 +2304,6 @@ class TranslationData:
     vocab_tgt: Vocab
     splits: dict  # split name -> list of (src_ids, tgt_ids)
     raw: dict  # split name -> list of (src_text, tgt_text)
-    cut: dict | None = None  # split name -> pairs cut to max_len ids
 
     def batches(self, split, sampler):
         """Yield the Batches of `split` chosen by `sampler` (on the CPU)."""
@@ -2226,19 +2316,7 @@ class TranslationData:
         return [max(len(s), len(t)) for s, t in self.splits[split]]
 
 
-def encode_text(text, vocab, tokenizer, max_len=None):
-    """A sentence -> <s> + ids + </s> (at most max_len, </s> kept): spaCy words for a
-    `Vocab`; a subword vocabulary (Part 4's `SubwordVocab`) splits the text itself."""
-    if isinstance(vocab, Vocab):
-        ids = vocab(tokenize(text, tokenizer))
-    else:
-        ids = vocab.encode(text)
-    if max_len is not None:
-        ids = ids[: max(max_len - 2, 0)]
-    return [BOS, *ids, EOS]
-
-
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def prepare_data(
     data_dir,
     *,
@@ -2248,8 +2326,9 @@ def prepare_data(
     max_train_pairs=None,
     vocabs=None,
 ):
-    """Read, tokenize and encode Multi30k splits; without `vocabs` (a source and a
-    target vocabulary), build word vocabularies from the (sliced) training split."""
+    """Read, tokenize and encode Multi30k splits (each side cut to max_len ids, or
+    whole with max_len=None); without `vocabs` (a source and a target vocabulary),
+    build word vocabularies from the (sliced) training split."""
     spacy_de, spacy_en = load_tokenizers()
     raw = {split: read_split(data_dir, split) for split in splits}
     if vocabs is None:
@@ -2257,31 +2336,28 @@ def prepare_data(
         vocabs = build_vocabulary(train[:max_train_pairs], spacy_de, spacy_en, min_freq)
     if max_train_pairs is not None and "train" in raw:
         raw["train"] = raw["train"][:max_train_pairs]
-    vocab_src, vocab_tgt = vocabs
-    encoded, cut = {}, {}
+    (vocab_src, vocab_tgt), encoded = vocabs, {}
     for split, pairs in raw.items():
-        whole = [
-            (encode_text(de, vocab_src, spacy_de), encode_text(en, vocab_tgt, spacy_en))
+        encoded[split] = [
+            (
+                encode_text(de, vocab_src, spacy_de, max_len),
+                encode_text(en, vocab_tgt, spacy_en, max_len),
+            )
             for de, en in pairs
         ]
-        cut[split] = sum(max(len(s), len(t)) > max_len for s, t in whole)
-        encoded[split] = [(_fit(s, max_len), _fit(t, max_len)) for s, t in whole]
-    return TranslationData(spacy_de, spacy_en, vocab_src, vocab_tgt, encoded, raw, cut)
-
-
-def _fit(ids, max_len):
-    """<s> ... </s> ids cut to max_len, keeping the </s>."""
-    return ids if len(ids) <= max_len else [*ids[: max_len - 1], EOS]
+    return TranslationData(spacy_de, spacy_en, vocab_src, vocab_tgt, encoded, raw)
 
 
 # %% [markdown]
 # ### Training
 #
-# A `TrainConfig` holds every setting of a run: the model's sizes, the token budget
-# of a batch and the schedule. Its defaults are a small model: 3 layers,
-# $d_{\text{model}} = 128$, $h = 4$. `PROFILES` names what the notebook can train
-# (`ANNOTATED_TRANSFORMER_PROFILE`); the workshop's command line knows the same names,
-# with the same meaning, and adds `multi30k`, the run behind Part 5's results:
+# A `TrainConfig` (folded) holds every setting of a run: the model's sizes, the token
+# budget of a batch (`max_tokens`) and the schedule. Its defaults are a small model:
+# 3 layers, $d_{\text{model}} = 128$, $d_{ff} = 512$, $h = 4$, dropout 0.1, batches of
+# 2,000 tokens, a warm-up of 300 steps, label smoothing 0.1, sentences cut at 72 ids.
+# `PROFILES` names what the notebook can train (`ANNOTATED_TRANSFORMER_PROFILE`); the
+# workshop's command line knows the same names, with the same meaning, and adds
+# `multi30k`, the run behind Part 5's results:
 #
 # | Profile | Model | Meant for |
 # |---|---|---|
@@ -2291,22 +2367,15 @@ def _fit(ids, max_len):
 #
 # *Our choice:* `quick` trades the model's width for time. At
 # $d_{\text{model}} = 128$ it is a quarter of the paper's width, small enough to see
-# all 29,000 pairs four times in about five minutes on a 2-core CPU. More passes paid
-# best: on the validation split its greedy BLEU was 17 after two epochs, 23 after
-# three, 27 after four and 29 after five, at 80 seconds an epoch (on the 2-core AMD
-# EPYC we measured); four keep the whole notebook under 10 minutes there. The
-# `multi30k` profile's wider model on subwords, with beam search, reaches 39.7 on the
-# test set (Part 5).
-#
-# `base` has the paper's sizes, not its schedule: 20 epochs of Multi30k
-# with a 3,000-step warm-up, where the paper trained 100,000 steps of 25,000-token
-# batches on WMT with a 4,000-step warm-up.
-#
-# `max_tokens` is the token budget of one batch; with `accum_iter > 1` one optimizer
-# step sees up to `max_tokens × accum_iter` padded tokens.
+# all 29,000 pairs four times in about five minutes on a 2-core CPU, which keeps the
+# whole notebook under 10 minutes there; more epochs pay, but cost the reader's time.
+# The `multi30k` profile's wider model on subwords, with beam search, reaches 39.7 on
+# the test set (Part 5). `base` has the paper's sizes, not its schedule: 20 epochs of
+# Multi30k with a 3,000-step warm-up, where the paper trained 100,000 steps of
+# 25,000-token batches on WMT with a 4,000-step warm-up.
 
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 @dataclass
 class TrainConfig:
     """The settings of a translation model and of its training."""
@@ -2316,7 +2385,7 @@ class TrainConfig:
     d_ff: int = 512
     h: int = 4
     dropout: float = 0.1
-    max_tokens: int = 2000
+    max_tokens: int = 2000  # one batch's budget of padded tokens
     accum_iter: int = 1
     epochs: int = 3
     base_lr: float = 1.0
@@ -2336,7 +2405,6 @@ class TrainConfig:
         return make_model(src_vocab, tgt_vocab, *sizes, **norm, **options)
 
 
-# %%
 TINY = dict(N=1, d_model=32, d_ff=64, h=2)  # a model for tests: seconds to train
 BASE = dict(N=6, d_model=512, d_ff=2048, h=8)  # the paper's base model's sizes
 PROFILES = {  # what each profile changes in TrainConfig's defaults
@@ -2344,6 +2412,12 @@ PROFILES = {  # what each profile changes in TrainConfig's defaults
     "quick": dict(epochs=4),  # every pair 4 times: the notebook in < 10 minutes
     "base": dict(**BASE, epochs=20, max_tokens=8000, warmup=3000),
 }
+
+
+def on_device(batches, device):
+    """Move each Batch of an iterable to `device` as it is used."""
+    for batch in batches:
+        yield batch.to(device)
 
 
 # %% [markdown]
@@ -2358,13 +2432,6 @@ PROFILES = {  # what each profile changes in TrainConfig's defaults
 
 
 # %%
-def on_device(batches, device):
-    """Move each Batch of an iterable to `device` as it is used."""
-    for batch in batches:
-        yield batch.to(device)
-
-
-# %%
 def train_translator(config, data, *, device=None, quiet=False):
     """Train a model on `data` (a TranslationData); returns (model, history)."""
     device = default_device() if device is None else torch.device(device)
@@ -2375,23 +2442,20 @@ def train_translator(config, data, *, device=None, quiet=False):
     )
     criterion = LabelSmoothing(len(data.vocab_tgt), PAD, config.label_smoothing)
     loss_compute = SimpleLossCompute(model.generator, criterion)
-    train = TokenBudgetBatchSampler(
-        data.lengths("train"), config.max_tokens, seed=config.seed
-    )
-    val = TokenBudgetBatchSampler(data.lengths("val"), config.max_tokens, shuffle=False)
+    budget, mode = config.max_tokens, "train" if quiet else "train+log"
+    train = TokenBudgetBatchSampler(data.lengths("train"), budget, seed=config.seed)
+    val = TokenBudgetBatchSampler(data.lengths("val"), budget, shuffle=False)
     history = []
     for epoch in range(config.epochs):
         train.set_epoch(epoch)
         batches = on_device(data.batches("train", train), device)
-        mode = "train" if quiet else "train+log"
         train_loss, _ = run_epoch(
             batches, model, loss_compute, optimizer, scheduler, mode, config.accum_iter
         )
         batches = on_device(data.batches("val", val), device)
         val_nll, _ = run_epoch(batches, model, loss_compute, mode="eval")
-        history.append(
-            dict(epoch=epoch + 1, train_loss_smoothed=train_loss, val_nll=val_nll)
-        )
+        row = dict(epoch=epoch + 1, train_loss_smoothed=train_loss, val_nll=val_nll)
+        history.append(row)
         if not quiet:
             print(
                 f"epoch {epoch + 1}/{config.epochs}: train loss (label-smoothed) "
@@ -2401,38 +2465,15 @@ def train_translator(config, data, *, device=None, quiet=False):
 
 
 # %% [markdown]
-# ### Using the model: translating
+# ### Translating
 #
-# `Translator` bundles a trained model with its vocabularies and tokenizer. It
-# tokenizes German sentences, greedy-decodes them as a batch (stopping each at `</s>`),
-# and turns the ids back into text. Turning tokens back into text (*detokenising*)
-# joins them with spaces and removes the spaces that English does not put before
-# punctuation or inside contractions like "n't" and "'s". A model trained on Part 4's
-# subword vocabulary needs no such rules: its vocabulary's decoder restores the text,
-# spaces included.
-
-# %%
-NO_SPACE_BEFORE = set(". , ! ? ; : ) % 's n't 're 'm 've 'll 'd".split())
-
-
-def detokenize(tokens):
-    """Join English word tokens into a sentence with ordinary spacing."""
-    text = ""
-    for token in tokens:
-        if text and token not in NO_SPACE_BEFORE and not text.endswith("("):
-            text += " "
-        text += token
-    return text
-
-
-# %% [markdown]
-# `decode_ids` pads a list of id sequences into one batch and decodes it with
-# `greedy_decode` (or another search with its arguments, such as Part 4's beam
+# `decode_ids` (folded) pads a list of id sequences into one batch and decodes it
+# with `greedy_decode` (or another search with its arguments, such as Part 4's beam
 # search), allowing each output 50 tokens more than the longest input, as the paper
-# did, and cutting each output at its `</s>`.
+# did (§6.1), and cutting each output at its `</s>`.
 
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def decode_ids(model, src_ids, decode=greedy_decode, max_extra=50, **options):
     """Decode lists of source ids; returns lists of target ids without <s>, </s>."""
     device, limit = next(model.parameters()).device, model.tgt_embed[1].max_len
@@ -2447,24 +2488,33 @@ def decode_ids(model, src_ids, decode=greedy_decode, max_extra=50, **options):
 
 
 # %% [markdown]
-# Training cut sentences to `max_len` ids, but a trained model reads any length its
-# positional encoding covers (5,000 positions), so `Translator` translates a long
-# sentence whole. (A sentence longer still gets a clear error from the positional
-# encoding; the command line's translator cuts it to fit, with a warning.)
-# It decodes sentences of similar length together (less padding, and a batch stops
-# as soon as its longest output ends), and returns them in the input order.
+# `Translator` bundles a trained model with its vocabularies and tokenizer. It
+# tokenizes German sentences, decodes them in batches of similar length (less
+# padding, and a batch stops as soon as its longest output ends), and turns the ids
+# back into text in the input order. The folded `TranslatorText` turns text into ids
+# and back: for word tokens, *detokenising* joins them with spaces and removes the
+# spaces English does not put before punctuation or inside contractions like "n't";
+# Part 4's subword vocabulary restores the text itself, spaces included. Training cut
+# sentences to `max_len` ids, but a trained model reads any length its positional
+# encoding covers (5,000 positions), so `Translator` translates a long sentence whole.
 
 
-# %%
-@dataclass
-class Translator:
-    """A trained model with its vocabularies, ready to translate German text."""
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+NO_SPACE_BEFORE = set(". , ! ? ; : ) % 's n't 're 'm 've 'll 'd".split())
 
-    model: EncoderDecoder
-    vocab_src: Vocab
-    vocab_tgt: Vocab
-    config: TrainConfig
-    spacy_de: object = None
+
+def detokenize(tokens):
+    """Join English word tokens into a sentence with ordinary spacing."""
+    text = ""
+    for token in tokens:
+        if text and token not in NO_SPACE_BEFORE and not text.endswith("("):
+            text += " "
+        text += token
+    return text
+
+
+class TranslatorText:
+    """Text -> source ids and target tokens -> text, for a Translator."""
 
     def encode(self, sentences):
         """German sentences -> lists of source ids (words or subwords)."""
@@ -2477,6 +2527,18 @@ class Translator:
         if isinstance(self.vocab_tgt, Vocab):
             return detokenize(tokens)
         return self.vocab_tgt.detokenize(tokens).strip()
+
+
+# %%
+@dataclass
+class Translator(TranslatorText):
+    """A trained model with its vocabularies, ready to translate German text."""
+
+    model: EncoderDecoder
+    vocab_src: Vocab
+    vocab_tgt: Vocab
+    config: TrainConfig
+    spacy_de: object = None
 
     def translate(self, sentences, batch_size=64, **options):
         """German sentences (or one) -> English; `options` go to decode_ids."""
@@ -2492,15 +2554,16 @@ class Translator:
 
 
 # %% [markdown]
-# In the notebook, `notebook_data_dir` finds the data: the folder that
-# `ANNOTATED_TRANSFORMER_DATA` names, used as it is, or the default folder, fetched the
-# first time (without network it says so in one line, and the examples that need the
-# data skip). `notebook_run` trains the chosen profile once (the later examples reuse
-# it), and `check_outputs` prints validation sentences beside their reference
-# translations and the model's.
+# In the notebook, the folded `notebook_run` finds the data (the folder that
+# `ANNOTATED_TRANSFORMER_DATA` names, or the default folder, fetched the first time;
+# without network it says so in one line, and the examples that need the data skip),
+# trains the chosen profile once (the later examples reuse it) and returns a
+# `NotebookRun`: the translator, the data folder and the training history.
+# `check_outputs` prints validation sentences beside their reference translations
+# and the model's.
 
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def notebook_data_dir():
     """$ANNOTATED_TRANSFORMER_DATA as it is, or the default folder, fetched on first
     use; None, after one line that says what is missing, when neither can be had."""
@@ -2516,11 +2579,20 @@ def notebook_data_dir():
         return None
 
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+@dataclass
+class NotebookRun:
+    """The notebook's trained model: its translator, data folder and history."""
+
+    translator: Translator
+    data_dir: Path
+    history: list
+
+
 @functools.cache
 def notebook_run():
-    """(translator, data_dir, history) of the notebook's model, trained on first use;
-    None, with a message saying what is missing, when there is no data."""
+    """The NotebookRun of the chosen profile, trained on first use; None, with a
+    message saying what is missing, when there is no data."""
     data_dir = notebook_data_dir()
     if data_dir is None:
         return None
@@ -2529,9 +2601,11 @@ def notebook_run():
     data = prepare_data(data_dir, **sizes, max_train_pairs=config.max_train_pairs)
     model, history = train_translator(config, data)
     vocabs = (data.vocab_src, data.vocab_tgt)
-    return Translator(model, *vocabs, config, data.spacy_de), data_dir, history
+    translator = Translator(model, *vocabs, config, data.spacy_de)
+    return NotebookRun(translator, data_dir, history)
 
 
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def check_outputs(translator, pairs, n_examples=5, quiet=False):
     """Translate the first n pairs; print and return (source, reference, output)."""
     pairs = list(pairs)[:n_examples]
@@ -2542,13 +2616,16 @@ def check_outputs(translator, pairs, n_examples=5, quiet=False):
     return rows
 
 
+# %% [markdown]
+# Training the profile and translating five validation sentences:
+
+
 # %%
 def example_multi30k():
     """The notebook's Part 3 example: translations of a few validation sentences."""
-    found = notebook_run()
-    if found is not None:
-        translator, data_dir, _ = found
-        check_outputs(translator, read_split(data_dir, "val"))
+    run = notebook_run()
+    if run is not None:
+        check_outputs(run.translator, read_split(run.data_dir, "val"))
 
 
 show_example(example_multi30k)
