@@ -1,6 +1,7 @@
 """workshop.figures: the book's charts and diagrams, written as PNG files."""
 
 import struct
+import xml.etree.ElementTree as ET
 import zlib
 from pathlib import Path
 
@@ -93,7 +94,8 @@ def figures_dir(tmp_path_factory):
 
 def test_figures_command_writes_one_png_per_book_chart(figures_dir):
     names = set(figures.book_charts()) | set(figures.book_diagrams())
-    assert len(names) >= 9
+    assert len(names) >= 10
+    assert "architecture_post_norm" in names  # the paper's Figure 1 layout
     assert {p.name for p in figures_dir.iterdir()} == {f"{n}.png" for n in names}
 
 
@@ -106,22 +108,87 @@ def test_every_figure_is_a_valid_non_blank_png(figures_dir):
         assert_not_blank(pixels, name)
 
 
-def test_diagrams_are_svg_with_the_blocks_they_explain():
-    import xml.etree.ElementTree as ET
+def svg_texts(svg):
+    """Every text of a diagram's SVG as (x, y, text), in document order."""
+    return [
+        (float(t.get("x")), float(t.get("y")), "".join(t.itertext()))
+        for t in ET.fromstring(svg).iter()
+        if t.tag.endswith("text")
+    ]
 
+
+def test_diagrams_are_svg_with_the_blocks_they_explain():
     expected = {
         "architecture": ["Encoder", "Decoder", "Source attention", "Generator"],
+        "architecture_post_norm": [
+            "Inputs",
+            "Outputs (shifted right)",
+            "Positional",
+            "Masked Multi-Head Attention",
+            "Add & Norm",
+            "Generator",
+            "Output Probabilities",
+        ],
         "scaled_dot_product_attention": ["MatMul", "Scale", "Softmax over the keys"],
         "multi_head_attention": ["Concat the heads", "Scaled dot-product attention"],
     }
     for name, draw in figures.book_diagrams().items():
-        svg = draw()
-        root = ET.fromstring(svg)  # well-formed XML
-        text = " ".join(
-            "".join(t.itertext()) for t in root.iter() if t.tag.endswith("text")
-        )
+        text = " ".join(label for _, _, label in svg_texts(draw()))  # well-formed
         for label in expected[name]:
             assert label in text, (name, label)
+
+
+BLOCKS = {  # the titles of the blocks a stack is made of, in both diagrams
+    *("LayerNorm", "Add & Norm", "Linear", "Softmax", "log-softmax"),
+    *("Multi-head self-attention", "Masked self-attention", "Source attention"),
+    *("Multi-Head Attention", "Masked Multi-Head Attention"),
+    *("Feed-forward", "Feed Forward"),
+}
+
+
+def blocks_in_column(svg, heading):
+    """The block titles centred under (or over) a column's heading, top down."""
+    texts = svg_texts(svg)
+    column = next(x for x, _, label in texts if label == heading)
+    found = sorted((y, label) for x, y, label in texts if x == column)
+    return [label for _, label in found if label in BLOCKS]
+
+
+def test_post_norm_diagram_follows_each_sub_layer_with_add_and_norm():
+    """The paper's Figure 1 layout, bottom up: every sub-layer followed by one Add &
+    Norm (2 in the encoder, 3 in the decoder), no LayerNorm block of its own and no
+    final one after a stack; Linear and Softmax on top of the decoder."""
+    svg = figures.diagram_architecture_post_norm()
+    encoder = ["Multi-Head Attention", "Add & Norm", "Feed Forward", "Add & Norm"]
+    decoder = [
+        *("Masked Multi-Head Attention", "Add & Norm"),
+        *("Multi-Head Attention", "Add & Norm"),
+        *("Feed Forward", "Add & Norm"),
+        *("Linear", "Softmax"),
+    ]
+    assert blocks_in_column(svg, "Encoder")[::-1] == encoder
+    assert blocks_in_column(svg, "Decoder")[::-1] == decoder
+    labels = [label for _, _, label in svg_texts(svg)]
+    assert "Encoder.norm = nn.Identity()" in labels
+    assert "Decoder.norm = nn.Identity()" in labels
+
+
+def test_pre_norm_diagram_puts_layer_norm_before_each_sub_layer_and_at_the_end():
+    """Our layout, drawn by the same code, top down: a LayerNorm before every
+    sub-layer and one more ending each stack (Encoder.norm, Decoder.norm)."""
+    svg = figures.diagram_architecture()
+    encoder = [
+        *("LayerNorm", "Multi-head self-attention"),
+        *("LayerNorm", "Feed-forward", "LayerNorm"),
+    ]
+    decoder = [
+        *("LayerNorm", "Masked self-attention"),
+        *("LayerNorm", "Source attention"),
+        *("LayerNorm", "Feed-forward", "LayerNorm"),
+        *("Linear", "log-softmax"),
+    ]
+    assert blocks_in_column(svg, "Encoder") == encoder
+    assert blocks_in_column(svg, "Decoder") == decoder
 
 
 def test_a_uniform_image_counts_as_blank():

@@ -1,9 +1,10 @@
-"""The book's figures as PNG files: its charts, the three diagrams (drawn here as
+"""The book's figures as PNG files: its charts, the four diagrams (drawn here as
 SVG: rounded boxes coloured by kind of block, labels and arrows; rendered offline by
 vl-convert) and attention maps of a trained checkpoint.
 
-Just over 400 lines, and one module on purpose: most of it is the three diagrams'
-layouts, which share one small SVG vocabulary (boxes, labels, arrows) defined here.
+About 640 lines, and one module on purpose: most of it is the four diagrams' layouts,
+which share one small SVG vocabulary (boxes, labels, arrows, residual paths, stacks)
+defined here.
 """
 
 from __future__ import annotations
@@ -122,6 +123,9 @@ PALETTE = {  # kind of block: (fill, stroke, name in the legend)
 BOX_W, GAP, PLUS_R = 210, 24, 10  # block width, gap between blocks, radius of a ⊕
 
 
+COLUMNS = 200, 580, 390  # the architectures' encoder, decoder and memory: they line up
+
+
 @dataclass
 class Box:
     """Where a block sits: centre x, top y, width and height."""
@@ -238,27 +242,39 @@ def _output(cx, y, label, *formulas):
     ]
 
 
-def _sublayer(cx, y, title, mask, in_label, side):
-    """A pre-norm SublayerConnection from y down: x + Dropout(Sublayer(LayerNorm(x))).
-
-    An attention sub-layer names its `mask`; with no mask it is the feed-forward one.
-    """
+def _sublayer_block(box, title, mask):
+    """A sub-layer's block: attention names its `mask`; with none, the feed-forward."""
     kind = "attention" if mask else "feed_forward"
     note = f"MultiHeadedAttention, {mask}" if mask else "PositionwiseFeedForward"
+    return _block(box, title, kind, note)
+
+
+def _residual(cx, y, to_y, side, to_dx):
+    """The residual path: from a dot on the main line at y, out beside the blocks
+    (`side` -1 left, 1 right) to to_y, then in to `to_dx` from the centre line."""
+    skip_x = cx + side * (BOX_W / 2 + 18)
+    return [
+        _arrow(
+            *[(cx, y), (skip_x, y), (skip_x, to_y)],
+            (cx + side * to_dx, to_y),
+            colour=SKIP,
+        ),
+        f'<circle cx="{cx}" cy="{y}" r="2.5" fill="{INK}"/>',
+    ]
+
+
+def _sublayer(cx, y, title, mask, in_label, side):
+    """A pre-norm SublayerConnection from y down: x + Dropout(Sublayer(LayerNorm(x)))
+    (post-norm: _add_and_norm)."""
     norm, layer = Box(cx, y + GAP, h=28), Box(cx, y + 2 * GAP + 28)
-    plus_y, skip_x = layer.bottom + GAP + PLUS_R, cx + side * (BOX_W / 2 + 18)
+    plus_y = layer.bottom + GAP + PLUS_R
     body = [
         _arrow((cx, y), (cx, norm.y)),
         _block(norm, "LayerNorm", "norm"),
         _arrow((cx, norm.bottom), (cx, layer.y)),
-        _block(layer, title, kind, note),
+        _sublayer_block(layer, title, mask),
         _arrow((cx, layer.bottom), (cx, plus_y - PLUS_R)),
-        _arrow(  # the residual path runs beside the blocks
-            *[(cx, y + 8), (skip_x, y + 8), (skip_x, plus_y)],
-            (cx + side * PLUS_R, plus_y),
-            colour=SKIP,
-        ),
-        f'<circle cx="{cx}" cy="{y + 8}" r="2.5" fill="{INK}"/>',
+        *_residual(cx, y + 8, plus_y, side, PLUS_R),
         _plus(cx, plus_y),
     ]
     if in_label:
@@ -285,40 +301,83 @@ def _stack(cx, name, tokens, side, sublayers):
         part, layer, y = _sublayer(cx, y, title, mask, in_label, side)
         body += part
         layers.append(layer)
-    top, bottom = position.bottom + 6, y + 10
-    left = cx - BOX_W / 2 - (36 if side < 0 else 14)
-    inner, outer = cx - side * (BOX_W / 2 + 4), cx + side * (BOX_W / 2 + 56)
+    bottom = y + 10
     final = Box(cx, bottom + GAP, h=36)
+    body += _repeated(cx, position.bottom + 6, bottom, f"{name}Layer", side)
     body += [
-        _rect(left, top, BOX_W + 50, bottom - top, "none", MUTED, 12, "7 4", 1.3),
-        _note(inner, top + 12, f"{name}Layer", "end" if side < 0 else "start", size=11),
-        _text(outer, (top + bottom) / 2, "×N", 20, colour=MUTED, bold=True),
         _arrow((cx, y), (cx, final.y)),
         _block(final, "LayerNorm", "norm", f"{name}.norm"),
     ]
     return body, layers, final
 
 
-def _legend(x, y):
-    """The residual formula, then a swatch naming the colour of each kind of block."""
-    body = [
-        _text(
-            x, y, "Each residual block is a pre-norm SublayerConnection:", 12, "start"
-        ),
-        _text(x, y + 18, "x + Dropout(Sublayer(LayerNorm(x)))", 12, "start", bold=True),
+def _repeated(cx, top, bottom, name, side):
+    """The dashed frame around one layer of a stack, named, with "×N" beside it."""
+    left = cx - BOX_W / 2 - (36 if side < 0 else 14)
+    inner, outer = cx - side * (BOX_W / 2 + 4), cx + side * (BOX_W / 2 + 56)
+    return [
+        _rect(left, top, BOX_W + 50, bottom - top, "none", MUTED, 12, "7 4", 1.3),
+        _note(inner, top + 12, name, "end" if side < 0 else "start", size=11),
+        _text(outer, (top + bottom) / 2, "×N", 20, colour=MUTED, bold=True),
     ]
+
+
+def _legend(x, y, lines, plus="add the residual"):
+    """Some lines (the last one, a formula, in bold), then a swatch naming the colour
+    of each kind of block, and what the ⊕ adds."""
+    body = [
+        _text(x, y + 18 * i, line, 12, "start", bold=i == len(lines) - 1)
+        for i, line in enumerate(lines)
+    ]
+    swatches_y = y + 18 * len(lines) + 16
     for row, (fill, stroke, name) in enumerate(PALETTE.values()):
-        row_y = y + 52 + row * 22
+        row_y = swatches_y + row * 22
         body.append(_rect(x, row_y - 7, 22, 14, fill, stroke, 3, width=1))
         body.append(_text(x + 30, row_y, name, 12, "start"))
-    row_y = y + 52 + len(PALETTE) * 22
+    row_y = swatches_y + len(PALETTE) * 22
     body.append(_plus(x + 11, row_y, 8))
-    return body + [_text(x + 30, row_y, "add the residual", 12, "start")]
+    return body + [_text(x + 30, row_y, plus, 12, "start")]
+
+
+def _memory(start, bus_x, source):
+    """The memory's path, from the `start` points along the bus at bus_x, into the
+    left of the source-attention block (its keys and values)."""
+    start_y = start[-1][1]
+    return [
+        _arrow(
+            *start,
+            *[(bus_x, start_y), (bus_x, source.mid), (source.left, source.mid)],
+            colour=MEMORY,
+        ),
+        _note(bus_x - 8, (start_y + source.mid) / 2, "memory", "end", MEMORY, 12),
+        _note(bus_x + 32, source.mid - 10, "K, V", "middle", MEMORY, 11),
+    ]
+
+
+def _link(a, b):
+    """An arrow from box `a` to box `b` on the same centre line, either way up."""
+    if a.y < b.y:
+        return _arrow((a.cx, a.bottom), (b.cx, b.y))
+    return _arrow((a.cx, a.y), (b.cx, b.bottom))
+
+
+def _generator(linear, softmax, softmax_title, softmax_note=None):
+    """The Generator's frame around its Linear and softmax blocks, one above the
+    other (either way up), with an arrow from the Linear to the softmax."""
+    top = min(linear.y, softmax.y) - 10
+    bottom = max(linear.bottom, softmax.bottom) + 10
+    return [
+        _rect(linear.left - 14, top, BOX_W + 28, bottom - top, "none", MUTED, 12),
+        _note(linear.right + 20, top + 10, "Generator", "start", size=11),
+        _block(linear, "Linear", "linear", "d_{model} → vocabulary size"),
+        _link(linear, softmax),
+        _block(softmax, softmax_title, "op", softmax_note),
+    ]
 
 
 def diagram_architecture():
     """The whole model as our code computes it: pre-norm encoder and decoder stacks."""
-    enc_x, dec_x, bus_x = 200, 580, 390
+    enc_x, dec_x, bus_x = COLUMNS
     encoder_layer = [
         ("Multi-head self-attention", "src_mask", "Q, K, V"),
         ("Feed-forward", None, None),
@@ -331,28 +390,135 @@ def diagram_architecture():
     src, tgt = "source tokens (src)", "target tokens, shifted right (tgt)"
     encoder, _, memory = _stack(enc_x, "Encoder", src, -1, encoder_layer)
     decoder, layers, final = _stack(dec_x, "Decoder", tgt, 1, decoder_layer)
-    source, mem_y = layers[1], memory.mid  # the memory feeds source attention's K, V
     linear = Box(dec_x, final.bottom + GAP + 14, h=36)
     softmax = Box(dec_x, linear.bottom + GAP, h=30)
-    top, bottom = linear.y - 10, softmax.bottom + 10
-    body = encoder + decoder + _legend(enc_x - BOX_W / 2 - 36, memory.bottom + 56)
-    body += [
-        _arrow(
-            *[(memory.right, mem_y), (bus_x, mem_y), (bus_x, source.mid)],
-            (source.left, source.mid),
-            colour=MEMORY,
-        ),
-        _note(bus_x - 8, (mem_y + source.mid) / 2, "memory", "end", MEMORY, 12),
-        _note(bus_x + 32, source.mid - 10, "K, V", "middle", MEMORY, 11),
-        _arrow((dec_x, final.bottom), (dec_x, linear.y)),
-        _rect(linear.left - 14, top, BOX_W + 28, bottom - top, "none", MUTED, 12),
-        _note(linear.right + 20, top + 10, "Generator", "start", size=11),
-        _block(linear, "Linear", "linear", "d_{model} → vocabulary size"),
-        _arrow((dec_x, linear.bottom), (dec_x, softmax.y)),
-        _block(softmax, "log-softmax", "op"),
+    bottom = softmax.bottom + 10
+    lines = [
+        "Each residual block is a pre-norm SublayerConnection:",
+        "x + Dropout(Sublayer(LayerNorm(x)))",
     ]
+    legend = _legend(enc_x - BOX_W / 2 - 36, memory.bottom + 56, lines)
+    body = encoder + decoder + legend
+    body += _memory([(memory.right, memory.mid)], bus_x, layers[1])
+    body += [_arrow((dec_x, final.bottom), (dec_x, linear.y))]
+    body += _generator(linear, softmax, "log-softmax")
     body += _output(dec_x, bottom, "next-token log-probabilities")
     return _svg(760, int(bottom + GAP + 40), body)
+
+
+def _sine(cx, cy, r=14):
+    """The paper's sign for the positional encoding: a wave in a circle."""
+    wave = f"M{cx - 9},{cy} Q{cx - 4.5},{cy - 11} {cx},{cy} T{cx + 9},{cy}"
+    return (
+        f'<circle cx="{cx}" cy="{cy}" r="{r}" fill="white" stroke="{INK}" '
+        f'stroke-width="1.5"/><path d="{wave}" fill="none" stroke="{INK}" '
+        f'stroke-width="1.5"/>'
+    )
+
+
+def _add_and_norm(cx, y, title, mask, in_label, side, index):
+    """A post-norm SublayerConnection from y up: LayerNorm(x + Dropout(Sublayer(x))).
+
+    `index` is its place in the layer's `sublayer` list.
+    """
+    branch_y = y - 20  # where the residual path leaves the main line
+    layer = Box(cx, branch_y - GAP - 40)
+    norm = Box(cx, layer.y - GAP - 36, h=36)
+    body = [
+        _arrow((cx, y), (cx, layer.bottom)),
+        _sublayer_block(layer, title, mask),
+        _link(layer, norm),
+        _block(norm, "Add & Norm", "norm", f"sublayer[{index}]: SublayerConnection"),
+        *_residual(cx, branch_y, norm.mid, side, BOX_W / 2),
+    ]
+    if in_label:  # on the side away from the residual path
+        anchor = "start" if side < 0 else "end"
+        body.append(_note(cx - side * 7, branch_y - 12, in_label, anchor, size=11))
+    return body, layer, norm.y
+
+
+def _post_norm_stack(cx, name, inputs, tokens, embedding, side, sublayers):
+    """One side of the paper's Figure 1, from the bottom (y = 0) up: tokens, their
+    embedding, ⊕ the positional encoding, then N post-norm layers (no final norm).
+
+    `side` (-1 or 1) puts the residual paths, the positional encoding and the "×N"
+    left or right of the blocks.
+    """
+    embed = Box(cx, -88 - 40)
+    plus_y, wave_x = embed.y - GAP - PLUS_R, cx + side * 58
+    outer, inner = ("end", "start") if side < 0 else ("start", "end")
+    body = [
+        _text(cx, -16, name, 16, bold=True),
+        _note(cx, -40, tokens, size=11),
+        _text(cx, -58, inputs, 13),
+        _arrow((cx, -70), (cx, embed.bottom)),
+        _block(embed, embedding, "embedding", "Embeddings: lut(x) · √d_{model}"),
+        _arrow((cx, embed.y), (cx, plus_y + PLUS_R)),
+        _plus(cx, plus_y),
+        _sine(wave_x, plus_y),
+        _arrow((wave_x - side * 14, plus_y), (cx + side * PLUS_R, plus_y)),
+        _text(wave_x + side * 20, plus_y - 8, "Positional", 13, outer),
+        _text(wave_x + side * 20, plus_y + 8, "Encoding", 13, outer),
+        _note(cx - side * 16, plus_y - 7, "PositionalEncoding:", inner),
+        _note(cx - side * 16, plus_y + 7, "x + sinusoids, dropout", inner),
+    ]
+    y, layers = plus_y - PLUS_R, []
+    for index, (title, mask, in_label) in enumerate(sublayers):
+        part, layer, y = _add_and_norm(cx, y, title, mask, in_label, side, index)
+        body += part
+        layers.append(layer)
+    top = y - 26  # room for the layer's name above its last block
+    body += _repeated(cx, top, plus_y - PLUS_R - 12, f"{name}Layer", side)
+    return body, layers, y, top
+
+
+def diagram_architecture_post_norm():
+    """The paper's Figure 1 as our code computes it with norm_first=False: post-norm
+    layers, an Add & Norm after each sub-layer, no final norm; drawn bottom up."""
+    enc_x, dec_x, bus_x = COLUMNS
+    encoder_layer = [
+        ("Multi-Head Attention", "src_mask", "Q, K, V"),
+        ("Feed Forward", None, None),
+    ]
+    decoder_layer = [
+        ("Masked Multi-Head Attention", "tgt_mask", "Q, K, V"),
+        ("Multi-Head Attention", "src_mask", "Q"),
+        ("Feed Forward", None, None),
+    ]
+    src = "Inputs", "source tokens (src)", "Input Embedding"
+    tgt = "Outputs (shifted right)", "target tokens (tgt)", "Output Embedding"
+    encoder, _, enc_out, enc_top = _post_norm_stack(
+        enc_x, "Encoder", *src, -1, encoder_layer
+    )
+    decoder, layers, dec_out, dec_top = _post_norm_stack(
+        dec_x, "Decoder", *tgt, 1, decoder_layer
+    )
+    mem_y = enc_top - 36
+    linear = Box(dec_x, dec_top - 46 - 36, h=36)
+    softmax = Box(dec_x, linear.y - GAP - 40)
+    out_y = softmax.y - 10 - GAP - 12
+    top = out_y - 24
+    lines = [
+        "make_model(..., norm_first=False), the paper's layout:",
+        "each Add & Norm ends a post-norm SublayerConnection,",
+        "LayerNorm(x + Dropout(Sublayer(x)))",
+    ]
+    body = encoder + decoder
+    body += _legend(enc_x - BOX_W / 2 - 36, top + 20, lines, "add")
+    body += _memory([(enc_x, enc_out), (enc_x, mem_y)], bus_x, layers[1])
+    body += [
+        _note(enc_x + 8, enc_top - 16, "Encoder.norm = nn.Identity()", "start"),
+        _arrow((dec_x, dec_out), (dec_x, linear.bottom)),
+        _note(dec_x - 8, dec_top - 20, "Decoder.norm = nn.Identity()", "end"),
+    ]
+    body += _generator(linear, softmax, "Softmax", "log-softmax in our code")
+    body += [
+        _arrow((dec_x, softmax.y - 10), (dec_x, out_y + 12)),
+        _text(dec_x, out_y, "Output Probabilities", 14),
+    ]
+    # drawn upward from y = 0 (the bottom edge): moved down onto the page
+    moved = [f'<g transform="translate(0,{-top})">', *body, "</g>"]
+    return _svg(760, int(-top), moved)
 
 
 def diagram_attention():
@@ -440,6 +606,7 @@ def book_diagrams():
     """The name and a zero-argument builder (returning SVG text) of every diagram."""
     return {
         "architecture": diagram_architecture,
+        "architecture_post_norm": diagram_architecture_post_norm,
         "scaled_dot_product_attention": diagram_attention,
         "multi_head_attention": diagram_multi_head,
     }
