@@ -481,6 +481,17 @@ def test_make_optimizer_gives_finite_positive_lr_at_step_zero_and_follows_rate()
         assert optimizer.param_groups[0]["lr"] == pytest.approx(lr_at(step), rel=1e-12)
 
 
+def test_make_optimizer_takes_the_rate_from_the_models_own_width():
+    """The paper's rate scales with d_model ** -0.5: a 32-wide model left to the
+    default gets its own rate, four times the base model's, not the base model's."""
+    model = tat.make_model(11, 11, N=1, d_model=32, d_ff=64, h=2)
+    optimizer, _ = tat.make_optimizer(model, warmup=10)
+    own = tat.rate(0, 32, 1.0, 10)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(own, rel=1e-12)
+    optimizer, _ = tat.make_optimizer(model, model_size=512, warmup=10)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(own / 4, rel=1e-12)
+
+
 def test_make_optimizer_steps_as_adam_with_the_papers_betas_and_eps():
     """Two steps on one float64 weight with gradients of order eps = 1e-9, so that
     eps changes the step by a third and beta2 = 0.98 (not Adam's default 0.999)
@@ -952,3 +963,50 @@ def test_run_epoch_trains_and_evaluates_with_a_loss_compute_of_the_originals_kin
             for b in batches
         )
     assert loss == pytest.approx(float(smoothed) / sum(b.ntokens for b in batches))
+
+
+def test_the_originals_copy_example_runs_with_its_dummy_optimizer_and_scheduler():
+    """The 2018/2022 notebook's copy example, at a smaller size: Adam and a LambdaLR
+    over `rate` for training, its DummyOptimizer and DummyScheduler passed to
+    run_epoch for evaluation, then greedy_decode from start symbol 0 with a float
+    mask. (Our rewrite of its calls, for this test.)"""
+    V = 11
+    torch.manual_seed(0)
+    criterion = tat.LabelSmoothing(size=V, padding_idx=0, smoothing=0.0)
+    model = tat.make_model(V, V, N=1, d_model=32, d_ff=64, h=2)
+    optimizer = torch.optim.Adam(
+        model.parameters(), lr=0.5, betas=(0.9, 0.98), eps=1e-9
+    )
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer=optimizer,
+        lr_lambda=lambda step: tat.rate(
+            step, model_size=model.src_embed[0].d_model, factor=1.0, warmup=400
+        ),
+    )
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    for _ in range(2):
+        model.train()
+        compute = tat.SimpleLossCompute(model.generator, criterion)
+        tat.run_epoch(
+            tat.data_gen(V, 8, 3), model, compute, optimizer, lr_scheduler, mode="train"
+        )
+        model.eval()
+        trained = {name: p.clone() for name, p in model.named_parameters()}
+        dummy_optimizer, dummy_scheduler = tat.DummyOptimizer(), tat.DummyScheduler()
+        loss = tat.run_epoch(
+            tat.data_gen(V, 8, 2),
+            model,
+            compute,
+            dummy_optimizer,
+            dummy_scheduler,
+            mode="eval",
+        )[0]
+        assert math.isfinite(loss)
+        assert all(torch.equal(p, trained[n]) for n, p in model.named_parameters())
+    assert dummy_optimizer.param_groups[0]["lr"] == 0
+    assert not all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    src = torch.LongTensor([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9]])
+    out = tat.greedy_decode(
+        model, src, torch.ones(1, 1, 10), max_len=10, start_symbol=0
+    )
+    assert out.shape == (1, 10) and out[0, 0] == 0

@@ -270,10 +270,16 @@ def test_sampler_without_shuffle_yields_the_same_batches_every_epoch(train_data)
     assert list(sampler) == epoch_0
 
 
+def padding_fraction(batches):
+    """The share of target positions in `batches` that are padding."""
+    total = sum(b.tgt_y.numel() for b in batches)
+    return 1.0 - sum(b.ntokens for b in batches) / total
+
+
 def test_padding_fraction_counts_the_padded_target_positions():
     examples = [([0, 4, 1], [0, 4, 5, 6, 1]), ([0, 4, 1], [0, 4, 1])]
     batch = tat.collate_batch(examples)  # tgt_y: 4 + 2 real of 2 x 4 positions
-    assert tat.padding_fraction([batch]) == pytest.approx(2 / 8)
+    assert padding_fraction([batch]) == pytest.approx(2 / 8)
 
 
 def original_batches(pairs, batch_size=32, width=72):
@@ -295,8 +301,8 @@ def test_token_budget_batches_waste_far_less_on_padding_than_the_original(
     sampler = tat.TokenBudgetBatchSampler(
         train_data.lengths("train"), tat.TrainConfig().max_tokens
     )
-    ours = tat.padding_fraction(list(train_data.batches("train", sampler)))
-    original = tat.padding_fraction(list(original_batches(pairs)))
+    ours = padding_fraction(list(train_data.batches("train", sampler)))
+    original = padding_fraction(list(original_batches(pairs)))
     assert original > 0.7  # most of the original's positions were padding
     assert ours < 0.15
     assert ours < original / 3
@@ -414,7 +420,8 @@ def test_notebook_run_trains_the_profile_in_memory_once_with_the_books_model(
     monkeypatch.setenv(tat.DATA_ENV, str(multi30k_dir))
     monkeypatch.chdir(tmp_path)
     found = fresh_notebook_run()
-    translator, data_dir, history = found
+    translator, data_dir, history = found.translator, found.data_dir, found.history
+    assert tuple(found) == (translator, data_dir, history)  # unpacks as before
     assert data_dir == multi30k_dir
     assert [set(r) for r in history] == [{"epoch", "train_loss_smoothed", "val_nll"}]
     assert [r["epoch"] for r in history] == [1]  # the smoke profile's one epoch
@@ -481,3 +488,20 @@ def test_the_notebook_keeps_no_file_whose_digest_differs_and_says_so_in_one_line
     assert said.count("\n") == 1 and "invalid hash value" in said
     assert tat.DATA_ENV in said
     assert not [name for name in names_in(folder) if name.startswith("val.de")]
+
+
+# ---------------------------------------------------------------------------
+# The size the book states for the data
+
+
+def test_the_size_the_docs_state_is_the_size_of_the_six_verified_files(multi30k_dir):
+    """The six files are fixed by their SHA-256 digests, so their size is too; every
+    page that tells a reader what `make data` fetches states it, rounded."""
+    total = sum((multi30k_dir / name).stat().st_size for name in tat.MULTI30K_SHA256)
+    assert total == 1_296_271
+    stated = f"{total / 1e6:.1f} MB"
+    root = Path(__file__).resolve().parent.parent
+    for page in ("the_annotated_transformer.py", "README.md", "docs/translating.md"):
+        text = (root / page).read_text(encoding="utf-8")
+        assert stated in text, page
+        assert "1.7 MB" not in text, page

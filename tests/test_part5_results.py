@@ -10,6 +10,8 @@ tests/test_cli.py.
 """
 
 import copy
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,8 @@ import the_annotated_transformer as tat
 from workshop import figures, translation
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+BOOK = Path(__file__).resolve().parent.parent / "the_annotated_transformer.py"
 
 
 # ---------------------------------------------------------------------------
@@ -332,3 +336,47 @@ def test_committed_results_of_a_run_not_committed_says_how_to_make_it(
     monkeypatch.chdir(tmp_path)
     assert tat.committed_results("multi30k") is None
     assert "make multi30k" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------
+# The paper's Table 2, and what the book says about it
+
+
+def table_2(book):
+    """The rows of the book's copy of the paper's Table 2: model -> (BLEU En-De,
+    BLEU En-Fr, cost En-De, cost En-Fr)."""
+    rows = {}
+    for line in book.splitlines():
+        cells = [c.strip() for c in line.removeprefix("# ").strip("|").split("|")]
+        if len(cells) == 5 and "10^{" in cells[3]:
+            costs = [
+                float(m.group(1)) * 10 ** int(m.group(2))
+                for m in (
+                    re.search(r"([\d.]+) \\cdot 10\^\{(\d+)\}", c) for c in cells[3:]
+                )
+            ]
+            rows[cells[0]] = (float(cells[1]), float(cells[2]), *costs)
+    return rows
+
+
+def test_the_papers_costs_follow_from_its_hardware_and_the_books_ratios_from_them():
+    """Table 2's costs of the Transformer are training time x 8 GPUs x 9.5 TFLOPS
+    (§5.2's times), and the book's sentence about them holds: the base model cost a
+    fraction of every earlier En-De model's, the big one of every En-Fr model's, and
+    the big En-De model as much as GNMT + RL and 2.4 times ConvS2S."""
+    book = BOOK.read_text(encoding="utf-8")
+    rows = table_2(book)
+    assert len(rows) == 5
+    base, big = rows["Transformer, base"], rows["Transformer, big"]
+    per_hour = 3600 * 8 * 9.5e12
+    assert f"{12 * per_hour:.1e}" == f"{base[2]:.1e}" == f"{base[3]:.1e}"
+    assert f"{3.5 * 24 * per_hour:.1e}" == f"{big[2]:.1e}" == f"{big[3]:.1e}"
+    earlier = [rows[m] for m in ("GNMT + RL", "ConvS2S", "MoE")]
+    assert all(big[0] > r[0] and big[1] > r[1] for r in earlier)  # beat in both
+    assert all(base[0] > r[0] for r in earlier) and any(base[1] < r[1] for r in earlier)
+    assert all(base[2] < r[2] / 2 for r in earlier)  # a fraction, En-De
+    assert all(big[3] < r[3] / 5 for r in earlier)  # a fraction, En-Fr
+    assert big[2] == rows["GNMT + RL"][2]
+    assert round(big[2] / rows["ConvS2S"][2], 1) == 2.4
+    assert "2.4 times as much as ConvS2S" in book
+    assert "at a fraction of their training cost" not in book

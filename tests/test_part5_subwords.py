@@ -10,11 +10,16 @@ in CI.
 """
 
 import unicodedata
+from pathlib import Path
 
 import pytest
+import torch
 from conftest import texts_of
 
 import the_annotated_transformer as tat
+from workshop import settings
+
+BOOK = Path(__file__).resolve().parent.parent / "the_annotated_transformer.py"
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -178,10 +183,94 @@ def test_shared_embeddings_make_three_matrices_one_tensor_saving_2_v_d_parameter
 def test_the_books_parameter_saving_cell_checks_2_v_d(capsys):
     config = tat.TrainConfig(**tat.PROFILES["smoke"])
     assert tat.example_shared_embeddings(500, config) == 2 * 500 * config.d_model
-    # As the notebook calls it: the quick profile's sizes.
-    quick = tat.TrainConfig(**tat.PROFILES["quick"])
-    assert tat.example_shared_embeddings(500) == 2 * 500 * quick.d_model
-    saved = 2 * 500 * quick.d_model
-    assert f"saved: {saved:,}; 2 x 500 x {quick.d_model} = {saved:,}" in (
-        capsys.readouterr().out
+    # As the notebook calls it: the multi30k profile's sizes, d_model 256.
+    assert tat.example_shared_embeddings(500) == 2 * 500 * 256
+    saved = 2 * 500 * 256
+    assert f"saved: {saved:,}; 2 x 500 x 256 = {saved:,}" in capsys.readouterr().out
+
+
+def test_tying_alone_takes_the_multi30k_model_from_10_1_to_6_0_million(capsys):
+    """Part 5 says tying takes the multi30k run's model (8,000 subwords) from 10.1 M
+    parameters to 6.0 M, and docs/results.md that the earlier recipe's model, on
+    word vocabularies of 8,012 German and 6,190 English words, had 9.2 M: count
+    them, with the sizes of the workshop's multi30k profile."""
+    run = settings.TRAIN_PROFILES["multi30k"]
+    sizes = {k: run[k] for k in ("N", "d_model", "d_ff", "h")}
+    config = tat.TrainConfig(**sizes)
+    assert config == tat.TrainConfig(d_model=256)  # what the book's cell counts
+    tied = dict(share_embeddings=True, tie_generator=True)
+    with torch.device("meta"):
+        untied = tat.count_parameters(config.make_model(8000, 8000))
+        one_matrix = tat.count_parameters(config.make_model(8000, 8000, **tied))
+        words = tat.count_parameters(config.make_model(8012, 6190))
+    millions = [f"{n / 1e6:.1f} M" for n in (untied, one_matrix, words)]
+    assert millions == ["10.1 M", "6.0 M", "9.2 M"]
+    book = BOOK.read_text(encoding="utf-8")
+    assert "from 10.1 M parameters to 6.0 M" in book
+    results = (BOOK.parent / "docs" / "results.md").read_text(encoding="utf-8")
+    assert "10.1 M" in results and "9.2 M" in results
+    tat.example_shared_embeddings()
+    shown = f"{untied:,} parameters with three matrices, {one_matrix:,} with one"
+    assert shown in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------
+# How the shared matrix starts
+
+
+def embedding_std(model):
+    """The standard deviation of each distinct embedding matrix's entries."""
+    luts = model.src_embed[0].lut.weight, model.tgt_embed[0].lut.weight
+    return [w.std().item() for w in {id(w): w for w in luts}.values()]
+
+
+@pytest.mark.parametrize(
+    "tying",
+    [dict(share_embeddings=True, tie_generator=True), dict(tie_generator=True)],
+    ids=["all three", "generator only"],
+)
+def test_tied_embeddings_start_from_a_normal_of_variance_1_over_d_model(tying):
+    """With a matrix tied, make_model draws the embeddings from N(0, 1/d_model), so
+    that each starts at about unit size after the sqrt(d_model) scale. 4,000 x 64
+    draws estimate a standard deviation to about 1/sqrt(2 * 256,000) = 0.14 % of
+    itself; 2 % is beyond any chance. Glorot's spread for a 4,000 x 64 matrix is
+    sqrt(2 / 4,064) = 0.022, under a fifth of 64 ** -0.5 = 0.125."""
+    torch.manual_seed(0)
+    model = tat.make_model(4000, 4000, **SMALL, **tying)
+    assert embedding_std(model) == pytest.approx(
+        [64**-0.5] * len(embedding_std(model)), rel=0.02
     )
+    scaled = model.src_embed[0](torch.arange(4000))
+    assert scaled.std().item() == pytest.approx(1.0, rel=0.02)
+    glorot = tat.make_model(4000, 4000, **SMALL, **tying, embedding_init="glorot")
+    assert embedding_std(glorot) == pytest.approx(
+        [(2 / 4064) ** 0.5] * len(embedding_std(glorot)), rel=0.02
+    )
+
+
+def test_untied_embeddings_keep_the_original_notebooks_glorot_start():
+    """No matrix shared: every matrix from Glorot, as the 2018/2022 notebook drew
+    them, the embeddings included (the same 2 % as above)."""
+    torch.manual_seed(0)
+    model = tat.make_model(4000, 4000, **SMALL)
+    assert embedding_std(model) == pytest.approx([(2 / 4064) ** 0.5] * 2, rel=0.02)
+    normal = tat.make_model(4000, 4000, **SMALL, embedding_init="normal")
+    assert embedding_std(normal) == pytest.approx([64**-0.5] * 2, rel=0.02)
+
+
+def test_the_books_embedding_start_cell_prints_both_starts(capsys):
+    torch.manual_seed(0)  # two decimals of a 128,000-sample estimate: fixed draws
+    tat.example_embedding_start(vocab_size=2000, d_model=64)
+    printed = capsys.readouterr().out
+    glorot = (2 / 2064) ** 0.5 * 64**0.5  # Glorot's spread, times sqrt(d_model)
+    assert (
+        f"glorot start: scaled embeddings have standard deviation {glorot:.2f}"
+        in printed
+    )
+    assert "normal start: scaled embeddings have standard deviation 1.00" in printed
+    assert "positional codes: root mean square 0.71" in printed  # sqrt(1/2)
+
+
+def test_make_model_refuses_an_unknown_embedding_start_in_one_line():
+    with pytest.raises(ValueError, match="embedding_init must be 'glorot' or 'normal'"):
+        tat.make_model(11, 11, **SMALL, embedding_init="xavier")

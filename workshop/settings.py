@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from torch import nn
-
 import the_annotated_transformer as tat
 from the_annotated_transformer import (
     SPECIALS,
@@ -29,9 +27,10 @@ class RunConfig(tat.TrainConfig):
     bpe_vocab_size: int = 8000
     share_embeddings: bool = False  # one matrix for both embeddings (needs "bpe")
     tie_generator: bool = False  # the generator reuses the target embedding
-    # "glorot" (the book's) or "normal": embeddings drawn from N(0, 1/d_model), so
-    # that after the sqrt(d_model) scaling each one starts at about unit size.
-    embedding_init: str = "glorot"
+    # The book's make_model option: "glorot", or "normal" (embeddings drawn from
+    # N(0, 1/d_model), about unit size after the sqrt(d_model) scaling); None: its
+    # default, "normal" when a matrix is shared and "glorot" otherwise.
+    embedding_init: str | None = None
     # Training FLOPs (workshop.flops) a new run may spend: it trains the most whole
     # epochs they pay for, and `epochs` is ignored. None: `epochs` decides.
     flop_budget: float | None = None
@@ -42,18 +41,13 @@ class RunConfig(tat.TrainConfig):
     def make_model(self, src_vocab, tgt_vocab):
         """The book's model for these settings, with Part 4's shared matrices and
         the embeddings' start that `embedding_init` names."""
-        tied = dict(
-            share_embeddings=self.share_embeddings, tie_generator=self.tie_generator
+        return super().make_model(
+            src_vocab,
+            tgt_vocab,
+            share_embeddings=self.share_embeddings,
+            tie_generator=self.tie_generator,
+            embedding_init=self.embedding_init,
         )
-        model = super().make_model(src_vocab, tgt_vocab, **tied)
-        if self.embedding_init == "normal":
-            # A matrix of 8,000 rows starts, under Glorot, with entries of about
-            # 0.015, a quarter of unit size after the scaling (fairseq draws tied
-            # embeddings this way: https://github.com/facebookresearch/fairseq).
-            luts = model.src_embed[0].lut, model.tgt_embed[0].lut
-            for weight in {id(lut.weight): lut.weight for lut in luts}.values():
-                nn.init.normal_(weight, 0.0, self.d_model**-0.5)
-        return model
 
     @classmethod
     def from_profile(cls, name="quick", **overrides):
@@ -123,10 +117,10 @@ class RunConfig(tat.TrainConfig):
                 "cooldown is the share of the last steps over which the rate falls "
                 f"to 0 and must be between 0 and 1, got {self.cooldown!r}."
             )
-        if self.embedding_init not in ("glorot", "normal"):
+        if self.embedding_init not in (None, "glorot", "normal"):
             raise ValueError(
-                "embedding_init must be 'glorot' or 'normal', got "
-                f"{self.embedding_init!r}."
+                "embedding_init must be 'glorot', 'normal' or None (the book's "
+                f"default for the tying asked for), got {self.embedding_init!r}."
             )
         if self.flop_budget is not None and not (
             isinstance(self.flop_budget, (int, float))

@@ -83,19 +83,41 @@ def run_vocabs(config, data_dir, vocabs=None):
     return build_vocabs(config, data_dir) if vocabs is None else vocabs
 
 
+@dataclass
+class RunData(tat.TranslationData):
+    """The book's TranslationData, and how many pairs of each split were cut."""
+
+    cut: dict | None = None  # split name -> pairs longer than max_len ids
+
+
 def prepare_run_data(config, data_dir, vocabs=None):
     """The book's prepare_data for a run: the files checked against their published
-    digests first, and one joint subword vocabulary learned when vocab is "bpe"."""
+    digests first, one joint subword vocabulary learned when vocab is "bpe", and
+    each pair cut to max_len ids (its </s> kept), counting the pairs cut."""
     check_run_data(config, data_dir)
     if vocabs is None and config.vocab == "bpe":
         vocabs = build_vocabs(config, data_dir)
-    return prepare_data(
+    whole = prepare_data(
         data_dir,
-        max_len=config.max_len,
+        max_len=None,
         min_freq=config.min_freq,
         max_train_pairs=config.max_train_pairs,
         vocabs=vocabs,
     )
+    limit = config.max_len
+
+    def fit(ids):  # what the book's encode_text(..., max_len) keeps
+        return ids if len(ids) <= limit else [*ids[: limit - 1], tat.EOS]
+
+    splits = {
+        split: [(fit(s), fit(t)) for s, t in pairs]
+        for split, pairs in whole.splits.items()
+    }
+    cut = {
+        split: sum(max(len(s), len(t)) > limit for s, t in pairs)
+        for split, pairs in whole.splits.items()
+    }
+    return RunData(**{**vars(whole), "splits": splits}, cut=cut)
 
 
 def make_run_model(config, src_vocab, tgt_vocab):
