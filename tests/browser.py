@@ -134,6 +134,20 @@ class Browser:
         self.call("Page.navigate", url=url)
         self.wait_for("document.readyState === 'complete'", timeout)
 
+    def centre_of(self, element):
+        """Scroll the element that the JavaScript expression `element` names into the
+        middle of the view; return its centre (x, y) there."""
+        return self.evaluate(
+            f"(() => {{ const element = {element};"
+            " element.scrollIntoView({block: 'center'});"
+            " const box = element.getBoundingClientRect();"
+            " return [box.x + box.width / 2, box.y + box.height / 2]; })()"
+        )
+
+    def click_on(self, element):
+        """Click the middle of the element that `element` names, scrolled into view."""
+        self.click(*self.centre_of(element))
+
     def move_pointer(self, x, y):
         self.call("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
 

@@ -228,6 +228,17 @@ def run_chromium(chromium, url, profile, *args):
     return result.stdout
 
 
+def fold_tag(cell):
+    """The Jupyter Book tag that folds a code cell, or None: hide-input (the code
+    folded, the output shown), hide-output (the reverse) or hide-cell (both, in one
+    fold; it wins over the other two). The site folds by these tags
+    (tools/offline.html.j2); JupyterLab collapses by the cell's jupyter.source_hidden
+    and outputs_hidden, which the book sets beside them."""
+    tags = cell.metadata.get("tags", []) if cell.cell_type == "code" else []
+    folding = [tag for tag in ("hide-cell", "hide-input", "hide-output") if tag in tags]
+    return folding[0] if folding else None
+
+
 def book_title():
     """The book's title: the first heading of the notebook's first cell."""
     import nbformat

@@ -4,9 +4,10 @@ The test runs `make lab` headless on a free port in a copy of the checkout (so t
 saving through the server cannot touch the repository), with Jupyter's own folders
 in a temporary place. It waits for the URL that `make lab` prints, opens it in
 headless Chromium (the flags of the site test) and checks that the page shows the
-book's title and its first code cell. It then asks the same server what a reader's
-actions would do: open the .py as a notebook, save the notebook, and run code in the
-kernel. The server is stopped after.
+book's title and its first code cell, that the book's folded cells show collapsed
+and open on a click, and that a reader can run the first cells. It then asks the
+same server what a reader's actions would do: open the .py as a notebook, save the
+notebook, and run code in the kernel. The server is stopped after.
 
 JupyterLab is an optional install (`make setup-lab`, requirements-lab.txt), which
 .ci/run makes before `make test`; without it the test skips, except in CI.
@@ -27,6 +28,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import jupytext
 import nbformat
 import pytest
 from browser import Browser
@@ -34,6 +36,7 @@ from bs4 import BeautifulSoup
 from conftest import (
     CHROMIUM_FLAGS,
     book_title,
+    fold_tag,
     free_port,
     run_chromium,
     skip_or_fail_in_ci,
@@ -58,6 +61,10 @@ BOOK_URL = re.compile(
     r"http://127\.0\.0\.1:(\d+)/lab/tree/notebooks/the_annotated_transformer\.ipynb"
     r"\?token=(\w+)"
 )
+
+# Jupyter Book's tags (conftest.py's fold_tag) that fold a cell's code, or its output.
+FOLD_INPUT = ("hide-input", "hide-cell")
+FOLD_OUTPUT = ("hide-output", "hide-cell")
 
 pytestmark = pytest.mark.slow
 
@@ -297,6 +304,57 @@ def test_a_reader_runs_the_first_cells_in_the_page_and_sees_a_chart(
         # JupyterLab's first-open question about the news never popped up.
         asked = "Would you like to get notified about official Jupyter news?"
         assert asked not in tab.evaluate("document.body.innerText")
+
+
+def test_the_folded_cells_are_collapsed_and_a_click_opens_them(lab, chromium, tmp_path):
+    """The book's support cells carry Jupyter Book's fold tags and, beside them,
+    JupyterLab's own jupyter.source_hidden (and outputs_hidden). JupyterLab shows the
+    code of each hide-input or hide-cell cell as its first line and "..." (its input
+    placeholder), and the output of a hide-cell or hide-output cell as another; a
+    click on an input placeholder shows the cell's code."""
+    # The cells as JupyterLab gets them: jupytext reads the inputs from the .py.
+    cells = jupytext.read(REPO_ROOT / BOOK).cells
+    input_folded = [i for i, c in enumerate(cells) if fold_tag(c) in FOLD_INPUT]
+    output_folded = [i for i, c in enumerate(cells) if fold_tag(c) in FOLD_OUTPUT]
+    assert input_folded, "the book folds no cell"
+    cell = "document.querySelectorAll('.jp-Notebook .jp-Cell')"
+
+    def cells_with(tab, selector):
+        """The indices of the cells that hold an element `selector` matches."""
+        return tab.evaluate(
+            f"[...{cell}].flatMap((c, i) => c.querySelector('{selector}') ? [i] : [])"
+        )
+
+    with Browser(chromium, CHROMIUM_FLAGS, tmp_path / "profile") as tab:
+        tab.open(lab["url"], timeout=120)
+        tab.wait_for(f"{cell}.length === {len(cells)}", timeout=120)
+        # JupyterLab builds a cell's insides while idle, after the cell itself.
+        built = f"[...{cell}].every(c => c.querySelector('.jp-Cell-inputWrapper'))"
+        tab.wait_for(built, timeout=120, message="JupyterLab did not build every cell")
+        assert cells_with(tab, ".jp-InputPlaceholder") == input_folded
+        assert cells_with(tab, ".jp-OutputPlaceholder") == output_folded
+        for index in input_folded:
+            source = cells[index].source
+            this = f"{cell}[{index}]"
+            # Folded: the first line of the code, and no editor.
+            shown = tab.evaluate(
+                f"{this}.querySelector('.jp-PlaceholderText').textContent"
+            )
+            assert shown == source.partition("\n")[0], index
+            assert tab.evaluate(f"{this}.querySelector('.jp-InputArea')") is None
+            tab.click_on(f"{this}.querySelector('.jp-InputPlaceholder')")
+            # Open: the editor in place of the placeholder, its lines drawn.
+            lines = tab.wait_for(
+                "(() => { const lines ="
+                f" [...{this}.querySelectorAll('.jp-InputArea .cm-line')];"
+                f" return {this}.querySelector('.jp-InputPlaceholder') === null"
+                " && lines.length > 0 && lines.map(line => line.textContent); })()",
+                timeout=30,
+                message=f"a click did not open cell {index}",
+            )
+            assert [line for line in lines if line.strip()] == [
+                line for line in source.splitlines() if line.strip()
+            ], index
 
 
 def test_jupyterlab_asks_nothing_about_the_news_and_checks_for_no_update(lab):

@@ -9,8 +9,11 @@ must all be there without the network. Driven through its DevTools protocol
 (tests/browser.py), the same browser then does what a reader does with the charts:
 every chart must be drawn, the page must request nothing but itself, pointing at a
 cell of the attention maps must show that cell's query, key and weight, and the
-menus must show the kind, layer and head picked. (tests/test_workflows.py checks
-that the GitHub Pages workflow builds the site with the same target.)
+menus must show the kind, layer and head picked. And as a reader skips the support
+cells: each cell the book folds (Jupyter Book's hide-input, hide-output and
+hide-cell tags) is a closed fold that a click opens, on the book's page and on a
+small notebook with every tag. (tests/test_workflows.py checks that the GitHub
+Pages workflow builds the site with the same target.)
 """
 
 import json
@@ -18,6 +21,7 @@ import os
 import re
 import struct
 import subprocess
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -27,7 +31,7 @@ import nbformat
 import pytest
 from browser import Browser
 from bs4 import BeautifulSoup
-from conftest import CHROMIUM_FLAGS, book_title, run_chromium
+from conftest import CHROMIUM_FLAGS, book_title, fold_tag, run_chromium
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 IMAGES = REPO_ROOT / "images"
@@ -165,12 +169,152 @@ def test_every_chart_is_drawn_in_the_page(opened, executed_notebook):
     assert tab.evaluate("document.querySelectorAll('.jp-OutputArea img').length") == 0
 
 
-def test_the_page_requests_nothing_but_itself(opened, page):
-    tab, _ = opened
+def requested_elsewhere(tab, page):
+    """What the open page requested besides itself and data: URLs."""
     urls = tab.requested_urls()
     assert urls[0] == page.as_uri()
-    elsewhere = [url for url in urls[1:] if not url.startswith("data:")]
+    return [url for url in urls[1:] if not url.startswith("data:")]
+
+
+# The page's folds (tools/offline.html.j2), in the order of the page.
+FOLDS = "document.querySelectorAll('details.jp-Fold')"
+# One fold, as a reader sees it: its kind, whether it is open, the words of its
+# summary, and its cell's code and output: the code's text, or null while it is
+# hidden; whether the output shows, or null for a cell without output.
+FOLD_SEEN = """(fold => {
+  const cell = fold.closest('.jp-Cell') ?? fold.querySelector('.jp-Cell');
+  const shown = element => element.checkVisibility()
+    && element.getBoundingClientRect().height > 0;
+  const code = cell.querySelector('.jp-InputArea-editor');
+  const outputs = cell.querySelector('.jp-OutputArea-child') !== null;
+  return {
+    kind: [...fold.classList].find(name => name.startsWith('jp-Fold-')),
+    open: fold.open,
+    summary: fold.querySelector(':scope > summary').innerText.trim(),
+    code: shown(code) ? code.innerText : null,
+    output: outputs ? shown(cell.querySelector('.jp-Cell-outputWrapper')) : null,
+  };
+})"""
+# Each tag's fold: its class, and whether it hides the code and the output.
+FOLD_OF_TAG = {
+    "hide-input": ("jp-Fold-input", True, False),
+    "hide-output": ("jp-Fold-output", False, True),
+    "hide-cell": ("jp-Fold-cell", True, True),
+}
+
+
+def code_lines(text):
+    return [line.rstrip() for line in text.splitlines() if line.strip()]
+
+
+def folded_on_the_page(cells):
+    """The code cells that the page shows in a fold: each with a fold tag, except a
+    hide-output cell without output (a fold with nothing in it)."""
+    return [
+        cell
+        for cell in cells
+        if fold_tag(cell) and (fold_tag(cell) != "hide-output" or cell.outputs)
+    ]
+
+
+def fold_seen(tab, index):
+    seen = tab.evaluate(f"{FOLD_SEEN}({FOLDS}[{index}])")
+    return {**seen, "code": None if seen["code"] is None else code_lines(seen["code"])}
+
+
+def fold_expected(cell, opened):
+    """What a reader should see of `cell`'s fold, closed or opened."""
+    kind, hides_code, hides_output = FOLD_OF_TAG[fold_tag(cell)]
+    what = {"jp-Fold-input": "code", "jp-Fold-output": "output"}.get(
+        kind, "code and output" if cell.outputs else "code"
+    )
+    return {
+        "kind": kind,
+        "open": opened,
+        "summary": f"{'hide' if opened else 'show'} {what}",
+        "code": code_lines(cell.source) if opened or not hides_code else None,
+        "output": (opened or not hides_output) if cell.outputs else None,
+    }
+
+
+def check_folds(tab, cells):
+    """The open page folds exactly `cells` (code cells, in order), each closed at
+    first with its tag's part hidden; a click on its summary opens it and shows the
+    cell's code and output, and a second click closes it again."""
+    assert tab.evaluate(f"{FOLDS}.length") == len(cells)
+    for index, cell in enumerate(cells):
+        where = f"fold {index} (the cell that starts {cell.source[:40]!r})"
+        assert fold_seen(tab, index) == fold_expected(cell, opened=False), where
+        summary = f"{FOLDS}[{index}].querySelector(':scope > summary')"
+        for opened in (True, False):
+            tab.click_on(summary)
+            state = "" if opened else "!"
+            tab.wait_for(f"{state}{FOLDS}[{index}].open", timeout=10, message=where)
+            assert fold_seen(tab, index) == fold_expected(cell, opened), where
+
+
+def test_every_folded_cell_is_a_closed_fold_that_a_click_opens(
+    opened, page, executed_notebook
+):
+    """The support cells of the book, tagged for Jupyter Book: each is one closed
+    fold on the page, its code out of sight (the output of a hide-input cell in
+    sight) until a click on the fold's summary shows it; the page still fetches
+    nothing."""
+    tab, _ = opened
+    cells = nbformat.read(executed_notebook, as_version=4).cells
+    folded = folded_on_the_page(cells)
+    assert folded, "the book folds no cell"
+    check_folds(tab, folded)
+    assert requested_elsewhere(tab, page) == []
+
+
+def test_the_page_requests_nothing_but_itself(opened, page):
+    tab, _ = opened
+    elsewhere = requested_elsewhere(tab, page)
     assert elsewhere == [], f"the page requested {elsewhere}"
+
+
+def test_each_fold_tag_folds_its_part_of_a_cell(chromium, tmp_path):
+    """Jupyter Book's three tags on a small notebook, exported as `make html` and
+    `make site` export the book: hide-input folds the code, hide-output the output,
+    hide-cell both in one fold; a cell without a tag, or a hide-output cell without
+    output, has no fold."""
+
+    def cell(number, tag=None, printed=None):
+        source = f"def helper_{number}():\n    return {number}\n"
+        if printed:
+            source += f"\nprint({printed!r})"
+        made = nbformat.v4.new_code_cell(source, execution_count=number)
+        if tag:
+            made.metadata["tags"] = [tag]
+        if printed:
+            output = nbformat.v4.new_output("stream", name="stdout", text=printed)
+            made.outputs = [output]
+        return made
+
+    cells = [
+        cell(1, None, "plain"),
+        cell(2, "hide-input", "code folded"),
+        cell(3, "hide-input"),
+        cell(4, "hide-output", "output folded"),
+        cell(5, "hide-output"),
+        cell(6, "hide-cell", "both folded"),
+        cell(7, "hide-cell"),
+    ]
+    notebook = tmp_path / "folds.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), notebook)
+    exported = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tools" / "export_html.py"), str(notebook)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert exported.returncode == 0, exported.stderr
+    with Browser(chromium, CHROMIUM_FLAGS, tmp_path / "profile") as tab:
+        tab.open(notebook.with_suffix(".html").as_uri())
+        assert tab.evaluate("document.querySelectorAll('.jp-CodeCell').length") == 7
+        check_folds(tab, folded_on_the_page(cells))
 
 
 EXPLORER = "document.querySelector('.vega-chart:has(select)')"  # the attention maps
@@ -183,16 +327,6 @@ def attention_cells(tab):
     """The description of each drawn cell of the attention chart. Vega describes
     every mark by its encoded fields: 'key: 2:Hunde; query: 1:Two; weight: 0.31'."""
     return tab.evaluate(f"{CELLS}.map(cell => cell.getAttribute('aria-label'))")
-
-
-def centre_of_cell(tab, index):
-    """Scroll cell `index` of the attention chart into view; its centre (x, y)."""
-    return tab.evaluate(
-        f"(() => {{ const cell = {CELLS}[{index}];"
-        " cell.scrollIntoView({block: 'center'});"
-        " const box = cell.getBoundingClientRect();"
-        " return [box.x + box.width / 2, box.y + box.height / 2]; })()"
-    )
 
 
 def described(label):
@@ -214,7 +348,7 @@ def test_hovering_an_attention_cell_shows_its_query_key_and_weight(opened):
     assert cells, "the attention chart has no cells"
     for index in (0, len(cells) // 2, len(cells) - 1):
         label = cells[index]
-        tab.move_pointer(*centre_of_cell(tab, index))
+        tab.move_pointer(*tab.centre_of(f"{CELLS}[{index}]"))
         shown = tab.wait_for(
             "(() => { const tip = document.getElementById('vg-tooltip-element');"
             " return tip && tip.classList.contains('visible') && tip.innerText; })()",

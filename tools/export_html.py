@@ -9,7 +9,10 @@ django-static-mathjax package instead. The book's charts (Vega-Lite outputs, wit
 PNG of each for viewers without JavaScript) are drawn in the page by Vega-Embed, so
 they stay interactive: its JavaScript, with Vega and Vega-Lite, is vl-convert's
 bundle, inlined once. The figures that markdown cells link to (`../images/*.png`)
-are embedded as data URLs.
+are embedded as data URLs. The cells the book folds (Jupyter Book's hide-input,
+hide-output and hide-cell tags) are closed <details> folds, which the browser opens
+on a click without any script (the template's codecell, input_group and
+output_group blocks).
 tools/build_site.py (`make site`) uses it too; tests/test_site.py opens its page in
 headless Chromium.
 """
