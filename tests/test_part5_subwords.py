@@ -231,31 +231,33 @@ def embedding_std(model):
 )
 def test_tied_embeddings_start_from_a_normal_of_variance_1_over_d_model(tying):
     """With a matrix tied, make_model draws the embeddings from N(0, 1/d_model), so
-    that each starts at about unit size after the sqrt(d_model) scale. 4,000 x 64
-    draws estimate a standard deviation to about 1/sqrt(2 * 256,000) = 0.14 % of
-    itself; 2 % is beyond any chance. Glorot's spread for a 4,000 x 64 matrix is
-    sqrt(2 / 4,064) = 0.022, under a fifth of 64 ** -0.5 = 0.125."""
+    that each starts at about unit size after the sqrt(d_model) scale. 4,000 x 32
+    draws estimate a standard deviation to about 1/sqrt(2 * 128,000) = 0.2 % of
+    itself; 2 % is beyond any chance. Glorot's spread for a 4,000 x 32 matrix is
+    sqrt(2 / 4,032) = 0.022, an eighth of 32 ** -0.5 = 0.177."""
     torch.manual_seed(0)
+    d = SMALL["d_model"]
     model = tat.make_model(4000, 4000, **SMALL, **tying)
-    assert embedding_std(model) == pytest.approx(
-        [64**-0.5] * len(embedding_std(model)), rel=0.02
-    )
+    stds = embedding_std(model)
+    assert stds == pytest.approx([d**-0.5] * len(stds), rel=0.02)
     scaled = model.src_embed[0](torch.arange(4000))
     assert scaled.std().item() == pytest.approx(1.0, rel=0.02)
     glorot = tat.make_model(4000, 4000, **SMALL, **tying, embedding_init="glorot")
-    assert embedding_std(glorot) == pytest.approx(
-        [(2 / 4064) ** 0.5] * len(embedding_std(glorot)), rel=0.02
-    )
+    stds = embedding_std(glorot)
+    assert stds == pytest.approx([(2 / (4000 + d)) ** 0.5] * len(stds), rel=0.02)
 
 
 def test_untied_embeddings_keep_the_original_notebooks_glorot_start():
     """No matrix shared: every matrix from Glorot, as the 2018/2022 notebook drew
     them, the embeddings included (the same 2 % as above)."""
     torch.manual_seed(0)
+    d = SMALL["d_model"]
     model = tat.make_model(4000, 4000, **SMALL)
-    assert embedding_std(model) == pytest.approx([(2 / 4064) ** 0.5] * 2, rel=0.02)
+    assert embedding_std(model) == pytest.approx(
+        [(2 / (4000 + d)) ** 0.5] * 2, rel=0.02
+    )
     normal = tat.make_model(4000, 4000, **SMALL, embedding_init="normal")
-    assert embedding_std(normal) == pytest.approx([64**-0.5] * 2, rel=0.02)
+    assert embedding_std(normal) == pytest.approx([d**-0.5] * 2, rel=0.02)
 
 
 def test_the_books_embedding_start_cell_prints_both_starts(capsys):
