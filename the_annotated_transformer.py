@@ -721,6 +721,96 @@ class MultiHeadedAttention(nn.Module):
 
 
 # %% [markdown]
+# #### Attention by hand, with numbers
+#
+# *Our example.* Eq. (1) on numbers small enough to redo with pencil and paper:
+# 4 tokens, $d_{\text{model}} = 4$, $h = 2$ heads of $d_k = 2$, projections of 0s and
+# 1s with zero biases, and the look-ahead mask of decoder self-attention. Each matrix
+# is written the way the paper applies it, to the right of a row: the query of token
+# $i$ is $x_i W^Q$, whose entries 0–1 are head 0's query (the paper's $W^Q_1$) and
+# entries 2–3 head 1's (`nn.Linear` stores the transpose). The cell runs the layer's
+# own steps: `heads` projects and splits, `attention` is Eq. (1) in every head, and
+# `attend` does the same again, then joins the heads and applies $W^O$. Each table is
+# one tensor at batch 0 (and head 0), under its full shape, `(batch, heads, seq, d_k)`
+# for the heads; its row $i$ belongs to token, or query, $i$, counted from 0.
+
+
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+def print_side_by_side(**tensors):
+    """Print tensors side by side (batch 0, head 0) under their names and shapes."""
+    columns = []
+    for name, t in tensors.items():
+        m = t.reshape(-1, *t.shape[-2:])[0].double()  # the first 2-D slice
+        form = "{:6.0f}" if bool((m == m.round()).all()) else "{:6.3f}"
+        rows = [" ".join(form.format(v) for v in row) for row in m.tolist()]
+        column = [f"{name} {tuple(t.shape)}", *rows]
+        columns.append([s.ljust(max(map(len, column))) for s in column])
+    lines = ("   ".join(parts).rstrip() for parts in zip(*columns, strict=True))
+    print("\n".join(lines) + "\n")
+
+
+# %%
+def example_attention_by_hand():
+    """Eq. (1) through MultiHeadedAttention on numbers one can check by hand."""
+    x = torch.tensor([[[0.0, 1, 0, 0], [0, 0, 1, 1], [0, 1, 1, 0], [1, 1, 0, 1]]])
+    W_Q = [[1, 0, 0, 0], [1, 0, 0, 1], [0, 1, 1, 0], [0, 0, 1, 1]]  # query = x @ W_Q
+    W_K = [[0, 1, 0, 1], [1, 0, 0, 1], [1, 0, 1, 1], [1, 1, 0, 0]]
+    W_V = [[1, 1, 0, 0], [1, 0, 0, 1], [0, 1, 1, 0], [0, 1, 1, 1]]
+    W_O = [[1, 0, 0, 1], [0, 1, 0, 0], [1, 0, 1, 0], [0, 0, 1, 1]]
+    mha = MultiHeadedAttention(h=2, d_model=4, dropout=0.0)
+    with torch.no_grad():
+        for linear, w in zip(mha.linears, (W_Q, W_K, W_V, W_O), strict=True):
+            linear.weight.copy_(torch.tensor(w).T)  # nn.Linear computes x @ weight.T
+            linear.bias.zero_()
+        mask = subsequent_mask(4)  # (1, seq, seq): query i sees keys 0..i
+        q, k, v = (mha.heads(linear, x) for linear in mha.linears[:3])
+        scores = q @ k.transpose(-2, -1) / math.sqrt(mha.d_k)  # before the mask
+        head_out, weights = attention(q, k, v, mask.unsqueeze(1))  # every head
+        out = mha.attend(q, k, v, mask)  # the same, then the heads joined, then W^O
+    joined = head_out.transpose(1, 2).reshape(1, 4, 4)  # (batch, seq, h * d_k)
+    print_side_by_side(x=x, Q=q, K=k, V=v)
+    print_side_by_side(**{"QK^T/sqrt(d_k)": scores, "mask": mask, "weights": weights})
+    print_side_by_side(**{"head 0 out": head_out, "joined": joined, "output": out})
+    return dict(x=x, layer=mha, mask=mask, weights=weights, head_out=head_out, out=out)
+
+
+show_example(example_attention_by_hand)
+
+
+# %% [markdown]
+# Now one row by hand: query 2 of head 0, the third row of each table. Token 2 is
+# $x_2 = (0, 1, 1, 0)$, so its projection is the sum of rows 1 and 2 of `W_Q`,
+# $(1, 1, 1, 1)$, and head 0's query is its first half, $q = (1, 1)$. Head 0's keys
+# are $k_0 = (1, 0)$, $k_1 = (2, 1)$, $k_2 = (2, 0)$, $k_3 = (2, 2)$ and its values
+# $v_0 = (1, 0)$, $v_1 = (0, 2)$, $v_2 = (1, 1)$, $v_3 = (2, 2)$.
+#
+# 1. Dot products $q \cdot k_j$: 1, 3, 2, 4.
+# 2. Divided by $\sqrt{d_k} = \sqrt 2$: 0.707, 2.121, 1.414, 2.828, row 2 of
+#    `QK^T/sqrt(d_k)`.
+# 3. Row 2 of the mask is 1 1 1 0: key 3 lies in the future, so its score becomes the
+#    most negative float, whose exponential is 0.
+# 4. Exponentials: $e^{0.707} = 2.028$, $e^{2.121} = 8.342$, $e^{1.414} = 4.113$ and
+#    0, which sum to 14.484.
+# 5. Divided by the sum: 0.140, 0.576, 0.284 and exactly 0, row 2 of `weights`.
+# 6. The weighted sum of the value rows,
+#    $0.140\,(1, 0) + 0.576\,(0, 2) + 0.284\,(1, 1) = (0.424, 1.436)$, is row 2 of
+#    `head 0 out`.
+#
+# Head 1 does the same with entries 2–3 of Q, K and V. `joined` sets the two heads'
+# outputs side by side (the Concat of §3.2.2), and `output` is `joined` times $W^O$:
+# its row 2 starts with $0.424 + 1.144 = 1.568$, since rows 0 and 2 of `W_O` have a 1
+# in column 0.
+#
+# > **Note (our reading of these numbers).** The weights depend only on differences of
+# > scores. Keys 0, 2 and 1 have dot products 1, 2 and 3, and weights 0.140, 0.284 and
+# > 0.576: each step of 1 in the dot product multiplies the weight by
+# > $e^{1/\sqrt 2} = 2.03$. Without the scale the factor would be $e = 2.72$ and the
+# > weights 0.090, 0.245 and 0.665, sharper, and sharper still for larger $d_k$. Without
+# > the mask, key 3, the highest score, would take 0.539 of the weight: the decoder
+# > would read the token it is meant to predict.
+
+
+# %% [markdown]
 # ### The three uses of attention in the model (§3.2.3)
 #
 # The same `MultiHeadedAttention` class is used in three places. What differs is where

@@ -7,7 +7,9 @@ with the 2018/2022 notebook's state dicts, errors at the boundary, and the modul
 import behaviour.
 """
 
+import contextlib
 import copy
+import io
 import math
 from pathlib import Path
 
@@ -412,6 +414,97 @@ def test_masked_model_runs_in_half_precision_with_finite_log_probabilities(
     # measured, and 0.0044(1 + |x|) in float16, where 0.0021|x| is.
     u = torch.finfo(dtype).eps / 2
     torch.testing.assert_close(half.float(), full, atol=9 * u, rtol=9 * u)
+
+
+# ---------------------------------------------------------------------------------
+# Attention by hand, with numbers (the book's worked example after the class)
+# ---------------------------------------------------------------------------------
+
+
+def attention_by_hand(x, layer, mask, scale=True, masked=True):
+    """Eq. (1) and the heads of §3.2.2 in plain Python floats (float64), from the
+    example's input, its layer's weights and its mask: (weights, head outputs,
+    output) as nested lists [head][query][key], [head][query][feature], [query][o]."""
+    w = [(lin.weight.tolist(), lin.bias.tolist()) for lin in layer.linears]
+
+    def linear(n, row):  # nn.Linear n: y_o = b_o + sum_f weight[o][f] * row[f]
+        weight, bias = w[n]
+        pairs = zip(weight, bias, strict=True)
+        return [b + sum(a * r for a, r in zip(ws, row, strict=True)) for ws, b in pairs]
+
+    rows = x[0].tolist()
+    q, k, v = ([linear(n, r) for r in rows] for n in range(3))
+    seq, divisor = len(rows), math.sqrt(layer.d_k) if scale else 1.0
+    weights = [[[0.0] * seq for _ in rows] for _ in range(layer.h)]
+    heads_out = [[None] * seq for _ in range(layer.h)]
+    for h in range(layer.h):
+        cols = range(h * layer.d_k, (h + 1) * layer.d_k)
+        for i in range(seq):
+            keys = [j for j in range(seq) if mask[0][i][j] or not masked]
+            score = {j: sum(q[i][c] * k[j][c] for c in cols) / divisor for j in keys}
+            e = {j: math.exp(s) for j, s in score.items()}
+            for j in keys:
+                weights[h][i][j] = e[j] / sum(e.values())
+            heads_out[h][i] = [
+                sum(weights[h][i][j] * v[j][c] for j in keys) for c in cols
+            ]
+    joined = [sum((heads_out[h][i] for h in range(layer.h)), []) for i in range(seq)]
+    return weights, heads_out, [linear(3, r) for r in joined]
+
+
+# The example's inputs and weights are small whole numbers, exact in float32, and so
+# are Q, K, V and the dot products. Rounding enters at the division by sqrt(2), the
+# exponentials, the softmax's sum and division, the weighted sums of at most 4 values
+# and the output projection's sums of 4: about 8 roundings, each at most a few
+# float32 ulps (2^-24 ~ 6e-8 relative) of values at most 3, so under 1e-6 in all
+# (measured: 2.4e-7). 1e-5 leaves room for other CPU kernels; a missing scale or
+# mask moves the weights by 0.1 or more (the control below), 10,000 times as much.
+BY_HAND_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def worked_example():
+    """The book's worked example, run once: its tensors, and what it printed."""
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        tensors = tat.example_attention_by_hand()
+    return tensors, printed.getvalue()
+
+
+def test_attention_by_hand_example_equals_eq_1_computed_with_python_loops(
+    worked_example,
+):
+    ex, printed = worked_example
+    weights, heads_out, out = attention_by_hand(ex["x"], ex["layer"], ex["mask"])
+    close = dict(atol=BY_HAND_ATOL, rtol=0, check_dtype=False)
+    torch.testing.assert_close(ex["weights"][0], torch.tensor(weights), **close)
+    torch.testing.assert_close(ex["head_out"][0], torch.tensor(heads_out), **close)
+    torch.testing.assert_close(ex["out"][0], torch.tensor(out), **close)
+    assert (ex["weights"][..., ~ex["mask"][0]] == 0).all()  # hidden keys: exactly 0
+    assert torch.equal(ex["layer"].attn, ex["weights"])  # attend == attention
+    # The row the book's prose walks through (query 2 of head 0), as printed to 3
+    # decimals; no value lies within 1e-5 of a rounding boundary, where float32 and
+    # float64 could print differently.
+    for row in (weights[0][2], heads_out[0][2]):
+        assert all(abs(v * 1000 % 1 - 0.5) > 0.01 for v in row), row
+        assert " ".join(f"{v:6.3f}" for v in row) in printed, printed
+    assert "weights (1, 2, 4, 4)" in printed and "Q (1, 2, 4, 2)" in printed
+    # ... and as the prose after the example works it out.
+    prose = (REPO_ROOT / "the_annotated_transformer.py").read_text(encoding="utf-8")
+    assert ", ".join(f"{v:.3f}" for v in weights[0][2][:3]) in prose
+    assert "(" + ", ".join(f"{v:.3f}" for v in heads_out[0][2]) + ")" in prose
+
+
+@pytest.mark.parametrize("broken", ["scale", "masked"])
+def test_loops_without_the_scale_or_the_mask_miss_the_example_far_beyond_tolerance(
+    worked_example, broken
+):
+    # The control of the test above: it can tell a right Eq. (1) from one without
+    # the 1/sqrt(d_k) scale or without the mask (0.105 and 0.86 apart, measured).
+    ex, _ = worked_example
+    weights, _, _ = attention_by_hand(
+        ex["x"], ex["layer"], ex["mask"], **{broken: False}
+    )
+    assert (ex["weights"][0] - torch.tensor(weights)).abs().max() > 1000 * BY_HAND_ATOL
 
 
 # ---------------------------------------------------------------------------------
