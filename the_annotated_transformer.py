@@ -1265,6 +1265,110 @@ show_example(run_tests)
 
 
 # %% [markdown]
+# ### The same computation as PyTorch's own Transformer
+#
+# PyTorch ships the two stacks of this Part as
+# [`nn.TransformerEncoder`](https://docs.pytorch.org/docs/stable/generated/torch.nn.TransformerEncoder.html)
+# and
+# [`nn.TransformerDecoder`](https://docs.pytorch.org/docs/stable/generated/torch.nn.TransformerDecoder.html),
+# the two halves of `nn.Transformer`. If our classes are right, theirs and ours compute
+# the same function once they hold the same weights. `nn.Transformer` has no
+# embeddings, no positional encoding and no generator (§3.4, §3.5): it starts and ends
+# with vectors of size $d_{\text{model}}$. So we compare the stacks: both encoders read
+# the same embedded source, and both decoders the same embedded target, each with the
+# memory of its own encoder.
+#
+# The weights are the same ones under other names: `TORCH_NAMES` below is the whole
+# correspondence, and `copy_weights` copies them either way. *What the mapping
+# teaches (our reading):* PyTorch keeps an attention layer's $W^Q$, $W^K$ and $W^V$
+# (§3.2.2) in one fused matrix, `in_proj_weight` of shape
+# $(3 d_{\text{model}}, d_{\text{model}})$, which is our first three `linears` stacked,
+# so that one matrix product projects the queries, keys and values at once. Its masks
+# mean the opposite of ours (`True` *hides* a position), so each is one of ours
+# negated with `~`, and it takes the padding per key (`src_key_padding_mask`,
+# `(batch, seq)`) apart from the look-ahead mask (`tgt_mask`, `(seq, seq)`), which we
+# combine into one mask.
+#
+# The layouts must match too. `torch_stacks` builds torch's layers with our
+# `norm_first`, `batch_first=True` and our LayerNorm's $\epsilon = 10^{-6}$ (torch's
+# default is $10^{-5}$); ReLU and $d_{ff} = 2048$ are torch's defaults and ours. A
+# pre-norm stack ends with a LayerNorm (torch's `norm=` argument), a post-norm stack
+# with none; `nn.Transformer` itself always adds those final norms, which is why we
+# build the two stacks. Both sides run in eval mode (no dropout) and in float64, where
+# one rounding error is about $10^{-16}$: a difference of a few $10^{-15}$ is the same
+# sums added in another order, while one weight out of place would differ by many
+# orders of magnitude more (the tests change one weight by $10^{-6}$ and see it).
+# The cell prints, for each layout and each way of copying, the largest absolute
+# difference between the two memories and between the two decoder outputs.
+#
+# > **Note (which of PyTorch's code runs).** The cell below runs with gradients on, so
+# > PyTorch runs the Python code of its layers, which reads like ours. Under
+# > `torch.no_grad()` in eval mode, its encoder layers call one fused kernel each
+# > instead (its *fast path*), and so does its decoder's self-attention;
+# > `tests/test_part1_reference.py` compares on both paths and checks which one ran.
+# > We pass `enable_nested_tensor=False`: with it, the fast path of a post-norm
+# > encoder skips the padded positions and returns zeros there, where ours returns
+# > numbers that no later attention reads.
+
+
+# %%
+TORCH_NAMES = (  # (a part of a weight's name in torch's stacks, the same part in ours)
+    ("in_proj_", "linears.{}."),  # W^Q, W^K, W^V stacked: our linears 0, 1 and 2
+    ("out_proj.", "linears.3."),  # W^O
+    ("multihead_attn.", "src_attn."),  # encoder-decoder attention
+    *((f"linear{i}.", f"feed_forward.w_{i}.") for i in (1, 2)),
+    *((f"norm{i + 1}.", f"sublayer.{i}.norm.") for i in range(3)),
+    *(("norm.weight", "norm.a_2"), ("norm.bias", "norm.b_2")),  # LayerNorm's a, b
+)
+
+
+def copy_weights(ours, theirs, to_torch=True):
+    """Copy our Encoder's (Decoder's) weights into torch's, or torch's into ours."""
+    mine = ours.state_dict()  # a state dict holds views of the weights
+    for name, weight in theirs.state_dict().items():
+        name = functools.reduce(lambda n, pair: n.replace(*pair), TORCH_NAMES, name)
+        parts = [mine[name.format(i)] for i in range(3 if "{}" in name else 1)]
+        for part, block in zip(parts, weight.chunk(len(parts)), strict=True):
+            block.copy_(part) if to_torch else part.copy_(block)  # block: a view
+
+
+# %%
+def torch_stacks(norm_first, N=2, d_model=512, h=8):
+    """PyTorch's encoder and decoder stacks in make_model's layout (float64, eval)."""
+    kw = dict(layer_norm_eps=1e-6, batch_first=True, norm_first=norm_first)
+    norms = [nn.LayerNorm(d_model, eps=1e-6) if norm_first else None for _ in range(2)]
+    layer = nn.TransformerEncoderLayer(d_model, h, **kw)  # ReLU, d_ff=2048: defaults
+    encoder = nn.TransformerEncoder(layer, N, norms[0], enable_nested_tensor=False)
+    layer = nn.TransformerDecoderLayer(d_model, h, **kw)
+    decoder = nn.TransformerDecoder(layer, N, norms[1])
+    return encoder.double().eval(), decoder.double().eval()
+
+
+def example_same_as_torch():
+    """Largest |difference| of our stacks' outputs and torch's, on a padded batch."""
+    src = torch.tensor([[1, 2, 3, 4, 0, 0], [5, 6, 7, 8, 9, 10]])  # 0 is padding
+    tgt = torch.tensor([[1, 3, 5, 0], [1, 2, 4, 6]])
+    src_mask, tgt_pad = padding_mask(src, 0), padding_mask(tgt, 0)  # True: may attend
+    hidden = dict(tgt_mask=~subsequent_mask(4)[0], tgt_key_padding_mask=~tgt_pad[:, 0])
+    hidden["memory_key_padding_mask"] = src_hidden = ~src_mask[:, 0]  # True: hidden
+    for layout, norm_first in (("pre-norm", True), ("post-norm", False)):
+        model = make_model(11, 11, N=2, norm_first=norm_first).double().eval()
+        for way, to_torch in (("ours -> torch", True), ("torch -> ours", False)):
+            encoder, decoder = torch_stacks(norm_first)
+            copy_weights(model.encoder, encoder, to_torch)
+            copy_weights(model.decoder, decoder, to_torch)
+            memory = model.encode(src, src_mask)  # embeds src, then our encoder
+            out = model.decode(memory, src_mask, tgt, tgt_pad & subsequent_mask(4))
+            memory_t = encoder(model.src_embed(src), src_key_padding_mask=src_hidden)
+            out_t = decoder(model.tgt_embed(tgt), memory_t, **hidden)
+            gap = (memory - memory_t).abs().max(), (out - out_t).abs().max()
+            print(f"{layout}, {way}: memory {gap[0]:.0e}, decoder output {gap[1]:.0e}")
+
+
+show_example(example_same_as_torch)
+
+
+# %% [markdown]
 # ## Part 2: Model training
 #
 # This part builds the machinery to train the model: batches with their masks, a loop

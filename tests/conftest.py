@@ -36,6 +36,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # them once more (`pytest -m numerical`) on the plain, non-AVX code path.
 NUMERICAL_MODULES = {
     "test_part1_model.py",
+    "test_part1_reference.py",
     "test_part2_training.py",
     "test_part5_decoding.py",
 }
