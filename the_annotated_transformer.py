@@ -2011,8 +2011,8 @@ def show_bug(name, measure, *args):
 
 
 # %% [markdown]
-# **Two bugs of training.** `train_briefly` trains a one-layer copy model on 150
-# batches of 32, a tenth of the copy task's work. With `see_future=True` the
+# **Two bugs of training.** `train_briefly` trains a smaller copy model (one layer,
+# $d_{\text{model}} = 64$) on 150 batches of 32 sequences. With `see_future=True` the
 # decoder's self-attention mask hides padding only, so position $i$ can read the
 # token at $i+1$, the very token it must predict: the training loss falls fast, by
 # copying a neighbour. Greedy decoding has no such neighbour (that token is not
@@ -2075,7 +2075,7 @@ show_example(example_training_bugs)
 
 # %%
 def hidden_weight(bug, fill=-1e4, dtype=torch.float32):
-    """The weight hidden keys get, per row: the bug fills hidden scores with `fill`."""
+    """Per row, the weight on hidden keys: filled with `fill` (bug), or `attention`."""
     scores = [[[-15000.0, -11000.0, 0.0, 0.0]], [[1.0, 2.0, 3.0, 4.0]]]
     scores = torch.tensor(scores, dtype=dtype)  # (row, query, key)
     mask = torch.tensor([[[1, 1, 0, 0]], [[0, 0, 0, 0]]])
@@ -2100,7 +2100,7 @@ show_example(show_bug, "Fill value -1e9 in float16", hidden_weight, -1e9, torch.
 # holding them all. For micro-batches of equal size the bug's step is $k$ times too
 # long; for unequal ones it also gives a short micro-batch's tokens more say. Adam
 # divides a constant scale out, which hides the bug (karpathy's answer in nanoGPT
-# #168); gradient clipping, weight decay and plain SGD do not.
+# #168); gradient clipping and plain SGD do not.
 #
 # `SmoothingOnPadding` forgets to zero the padding column of the smoothed target.
 # Then $q$ sums to $Z = 1 + \epsilon_{ls}/(V-2)$, and the lowest KL divergence any
@@ -2119,7 +2119,7 @@ class OwnTokensLoss(SimpleLossCompute):
 
 
 def step_ratio(bug, k=4):
-    """The SGD step of k accumulated micro-batches over that of one batch of them all."""
+    """The SGD step of k accumulated micro-batches over that of one batch of all."""
     batches = list(data_gen(11, 8, k, generator=torch.Generator().manual_seed(0)))
     src, steps = torch.cat([b.src for b in batches]), []
     for group in (batches, [Batch(src, src, pad=COPY_PAD)]):
