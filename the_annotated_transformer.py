@@ -2119,7 +2119,7 @@ class OwnTokensLoss(SimpleLossCompute):
 
 
 def step_ratio(bug, k=4):
-    """The SGD step of k accumulated micro-batches over that of one batch of all."""
+    """SGD step length: k accumulated micro-batches over one batch holding them all."""
     batches = list(data_gen(11, 8, k, generator=torch.Generator().manual_seed(0)))
     src, steps = torch.cat([b.src for b in batches]), []
     for group in (batches, [Batch(src, src, pad=COPY_PAD)]):
