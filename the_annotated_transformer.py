@@ -43,7 +43,8 @@
 # 1. [Background](#Background)
 # 2. [Part 1: Model architecture](#Part-1:-Model-architecture)
 # 3. [Part 2: Model training](#Part-2:-Model-training), with
-#    [a first example: learning to copy](#A-first-example:-learning-to-copy)
+#    [a first example: learning to copy](#A-first-example:-learning-to-copy) and
+#    [what goes wrong: the classic bugs](#What-goes-wrong:-the-classic-bugs)
 # 4. [Part 3: A real example — German to English on Multi30k](#Part-3:-A-real-example-—-German-to-English-on-Multi30k)
 # 5. [Part 4: Additional components](#Part-4:-Additional-components): subwords, the
 #    key/value cache, beam search, checkpoint averaging
@@ -2171,6 +2172,217 @@ def example_layouts():
 
 
 show_example(example_layouts)
+
+
+# %% [markdown]
+# ## What goes wrong: the classic bugs
+#
+# *Our section.* The issue trackers of every Transformer tutorial, this book's ancestor
+# included, collect the same few bugs. Each is a one-line slip with a symptom that is
+# easy to misread: a loss near zero and useless output, two calls that disagree, a
+# run that never takes off. Below, each bug is switched on by an argument of an
+# example function or by a small subclass, never by an option of the book's classes.
+# Each prints one measurement with the bug switched on, then the same measurement on
+# the book's own path. The whole section runs in seconds.
+#
+# | Bug | Symptom, switched on | Where users met it |
+# |---|---|---|
+# | the decoder's mask lets a position see the tokens after it | training loss near 0, greedy decoding no better than a guess | [karpathy/nanoGPT#331](https://github.com/karpathy/nanoGPT/issues/331): with the hand-written causal mask, a loss that should have stayed flat fell |
+# | the Noam rate without warm-up | the loss jumps, then stalls near a guess | [tensorflow/tensor2tensor#105](https://github.com/tensorflow/tensor2tensor/issues/105): the cost stayed above 4 until a longer warm-up; [jadore801120/attention-is-all-you-need-pytorch#168](https://github.com/jadore801120/attention-is-all-you-need-pytorch/pull/168): a rate off the paper's formula hurt stability and accuracy |
+# | a fill value too weak (−1e4) | hidden keys get attention weight | [karpathy/minGPT#75](https://github.com/karpathy/minGPT/issues/75): near-zero training and validation loss, useless generation; training had pushed the scores below the mask's −1e4 |
+# | a fill value that overflows (−1e9 in float16) | `masked_fill` raises | [NVIDIA/apex#1052](https://github.com/NVIDIA/apex/issues/1052): `value cannot be converted to type at::Half without overflow: -1e+09`, worked around with −1e4, the row above |
+# | accumulation that divides each micro-batch by its own tokens | the step is $k$ times that of one big batch | [karpathy/nanoGPT#168](https://github.com/karpathy/nanoGPT/issues/168): the loss was not divided across the accumulation steps; Adam hid the scale, but gradient clipping became $k$ times tighter |
+# | label-smoothing mass left on the padding column | the loss can no longer reach 0 | [harvardnlp/annotated-transformer#39](https://github.com/harvardnlp/annotated-transformer/issues/39) (a loss of `inf`) and [jadore801120/attention-is-all-you-need-pytorch#165](https://github.com/jadore801120/attention-is-all-you-need-pytorch/issues/165): what the padding index does to the smoothed target |
+# | dropout left on at inference | two passes over one input differ | [d2l-ai/d2l-en#1484](https://github.com/d2l-ai/d2l-en/issues/1484): the PyTorch Transformer chapter translated badly; [d2l-ai/d2l-en#1528](https://github.com/d2l-ai/d2l-en/pull/1528) found its prediction running in training mode |
+# | a padded key not masked | a sentence's outputs change when padding is added | [huggingface/transformers#278](https://github.com/huggingface/transformers/issues/278): `[PAD]` symbols changed the output until an attention mask was passed; [harvardnlp/annotated-transformer#37](https://github.com/harvardnlp/annotated-transformer/issues/37): which rows and columns the masks hide |
+
+
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+def show_bug(name, measure, *args):
+    """Print `name`, then measure(bug, *args) with the bug switched on, then off."""
+    on, off = measure(True, *args), measure(False, *args)
+    print(f"{name}\n  bug switched on -> {on}\n  the book's path -> {off}")
+
+
+# %% [markdown]
+# **Two bugs of training.** `train_briefly` trains a smaller copy model (one layer,
+# $d_{\text{model}} = 64$) on 150 batches of 32 sequences. With `see_future=True` the
+# decoder's self-attention mask hides padding only, so position $i$ can read the
+# token at $i+1$, the very token it must predict: the training loss falls fast, by
+# copying a neighbour. Greedy decoding has no such neighbour (that token is not
+# written yet), and the model learned nothing else: it copies about as often as a
+# guess among the ten symbols would. With `warmup=1` the Noam rate starts at its
+# peak, and Adam's first steps, divided by second moments estimated from a handful of
+# gradients, throw the weights far: the loss jumps above its untrained value, then
+# stays near $\ln 10 \approx 2.30$, the loss of a uniform guess.
+
+
+# %%
+def train_briefly(steps=150, *, see_future=False, warmup=20, seed=0):
+    """A one-layer copy model trained on `steps` batches: (model, loss of each).
+    see_future=True is the bug: the decoder's mask hides padding, not the future."""
+    torch.manual_seed(seed)
+    V, rng = CopyTaskConfig().vocab, torch.Generator().manual_seed(seed)
+    model = make_model(V, V, N=1, d_model=64, d_ff=128, h=4, dropout=0.0)
+    optimizer, scheduler = make_optimizer(model, 0.3, warmup=warmup)
+    loss_compute = SimpleLossCompute(model.generator, LabelSmoothing(V, COPY_PAD))
+    losses = []
+    for batch in data_gen(V, 32, steps, generator=rng):
+        if see_future:
+            batch.tgt_mask = padding_mask(batch.tgt, COPY_PAD)
+        losses.append(run_epoch([batch], model, loss_compute, optimizer, scheduler)[0])
+    return model, losses
+
+
+def example_training_bugs(steps=(1, 3, 10, 50, 150)):
+    """The copy model trained seeing the future, without warm-up, and right."""
+    runs = [train_briefly(see_future=True), train_briefly(warmup=1), train_briefly()]
+
+    def decoding(bug):
+        model, losses = runs[0 if bug else 2]
+        src, out = copy_examples(model, n=100)  # the share of symbols copied right:
+        copied = (src[:, 1:] == out[:, 1:]).float().mean()
+        return f"training loss {losses[-1]:.3f}, greedy decoding copies {copied:.0%}"
+
+    def curve(bug):
+        losses = runs[1 if bug else 2][1]
+        return ", ".join(f"step {i}: loss {losses[i - 1]:.2f}" for i in steps)
+
+    show_bug("A decoder mask that shows the future", decoding)
+    show_bug("The Noam rate without warm-up", curve)
+
+
+show_example(example_training_bugs)
+
+
+# %% [markdown]
+# **Two fill values.** After the softmax, a hidden key filled with the constant $c$
+# has $e^{c - s}$ times the weight of a visible key scored $s$: a constant hides a key
+# only while the visible scores stay far above it. Row 0 below has visible scores
+# under −10,000, like those the reporter of minGPT #75 printed after training; there
+# −1e4 hides nothing, and the hidden keys take all the weight. Row 1 hides every key,
+# and then any constant, −1e9 included, gives each hidden key the same weight. The
+# book fills with the most negative number of the scores' dtype, then sets the hidden
+# weights to exactly zero (Part 1). In float16, whose largest magnitude is 65,504,
+# −1e9 cannot even be written into the scores.
+
+
+# %%
+def hidden_weight(bug, fill=-1e4, dtype=torch.float32):
+    """Per row, the weight on hidden keys: filled with `fill` (bug), or `attention`."""
+    scores = [[[-15000.0, -11000.0, 0.0, 0.0]], [[1.0, 2.0, 3.0, 4.0]]]
+    scores = torch.tensor(scores, dtype=dtype)  # (row, query, key)
+    mask = torch.tensor([[[1, 1, 0, 0]], [[0, 0, 0, 0]]])
+    query, keys = torch.ones(2, 1, 1, dtype=dtype), scores.transpose(1, 2)
+    try:  # query . key is the score, so `attention` sees the same scores
+        book = attention(query, keys, keys, mask)[1]
+        weights = scores.masked_fill(mask == 0, fill).softmax(-1) if bug else book
+    except RuntimeError as error:
+        return f"RuntimeError: {error}"
+    return [round(float(w), 4) for w in (weights * (mask == 0)).sum(-1).flatten()]
+
+
+show_example(show_bug, "Fill value -1e4 (weight on hidden keys per row)", hidden_weight)
+show_example(show_bug, "Fill value -1e9 in float16", hidden_weight, -1e9, torch.half)
+
+
+# %% [markdown]
+# **Two bugs in the loss.** `OwnTokensLoss` divides each micro-batch's summed loss by
+# its own token count, as the 2018/2022 notebook did, instead of the count of the
+# whole group that `run_epoch` passes. `step_ratio` takes one plain gradient step
+# (SGD, rate 1) with $k$ accumulated micro-batches and one with a single batch
+# holding them all. For micro-batches of equal size the bug's step is $k$ times too
+# long; for unequal ones it also gives a short micro-batch's tokens more say. Adam
+# divides a constant scale out, which hides the bug (karpathy's answer in nanoGPT
+# #168); gradient clipping and plain SGD do not.
+#
+# `SmoothingOnPadding` forgets to zero the padding column of the smoothed target.
+# Then $q$ sums to $Z = 1 + \epsilon_{ls}/(V-2)$, and the lowest KL divergence any
+# model can reach is $Z \ln Z$ per token instead of 0, at the model $p = q/Z$, which
+# predicts padding, a token no target holds, with probability
+# $\epsilon_{ls}/((V-2)Z)$ at every position. `loss_floor` evaluates each criterion
+# at that best model.
+
+
+# %%
+class OwnTokensLoss(SimpleLossCompute):
+    """The bug: each micro-batch's loss divided by its own tokens, not the group's."""
+
+    def __call__(self, x, y, norm):
+        return super().__call__(x, y, int((y != self.criterion.padding_idx).sum()))
+
+
+def step_ratio(bug, k=4):
+    """SGD step length: k accumulated micro-batches over one batch holding them all."""
+    batches = list(data_gen(11, 8, k, generator=torch.Generator().manual_seed(0)))
+    src, steps = torch.cat([b.src for b in batches]), []
+    for group in (batches, [Batch(src, src, pad=COPY_PAD)]):
+        torch.manual_seed(0)
+        model = make_model(11, 11, N=1, d_model=64, d_ff=128, h=4, dropout=0.0)
+        start = nn.utils.parameters_to_vector(model.parameters()).detach()
+        criterion = LabelSmoothing(11, COPY_PAD)
+        loss = (OwnTokensLoss if bug else SimpleLossCompute)(model.generator, criterion)
+        sgd = torch.optim.SGD(model.parameters(), lr=1.0)  # the step is the gradient
+        run_epoch(group, model, loss, sgd, accum_iter=k)
+        steps.append((nn.utils.parameters_to_vector(model.parameters()) - start).norm())
+    return f"step of {k} micro-batches / step of one batch = {steps[0] / steps[1]:.4f}"
+
+
+class SmoothingOnPadding(LabelSmoothing):
+    """The bug: the padding column keeps its share of the smoothing mass."""
+
+    def smoothed_targets(self, target, dtype=None):
+        q = super().smoothed_targets(target, dtype)
+        q[:, self.padding_idx] = self.smoothing / (self.size - 2)
+        q[target == self.padding_idx] = 0  # positions whose target is padding
+        return q
+
+
+def loss_floor(bug, smoothing=0.1, V=11):
+    """Label smoothing's lowest loss per token, at the best model p = q / sum(q)."""
+    criterion = (SmoothingOnPadding if bug else LabelSmoothing)(V, COPY_PAD, smoothing)
+    target = torch.arange(1, V)  # every word once, padding (id 0) excepted
+    q = criterion.smoothed_targets(target)
+    best = q / q.sum(-1, keepdim=True)
+    floor = criterion(safe_log(best), target) / len(target)
+    return f"lowest loss {floor:.4f} per token, padding predicted {best[0, 0]:.2%}"
+
+
+show_example(show_bug, "Gradient accumulation", step_ratio)
+show_example(show_bug, "Smoothing 0.1 left on the padding column", loss_floor)
+
+
+# %% [markdown]
+# **Two bugs at inference.** A model left in training mode keeps its dropout on, so
+# two passes over the same sentence differ (`greedy_decode` switches to eval mode for
+# this reason). A padded source encoded without its padding mask lets every real
+# position attend to the padding, so adding padding moves the memory of the real
+# positions; with the mask, what is left is float32 rounding.
+
+
+# %%
+def example_inference_bugs():
+    """Dropout left on at inference; padding added to a source without its mask."""
+    torch.manual_seed(0)
+    model = make_model(11, 11, N=2, d_model=64, d_ff=128, h=4, dropout=0.1)
+    src = torch.tensor([[1, 5, 3, 7, 9, 4]])
+    padded = torch.cat([src, torch.full((1, 4), COPY_PAD)], dim=1)
+
+    def two_passes(bug):  # the bug: the model left in training mode
+        one, two = (model.train(bug).encode(src, None) for _ in range(2))
+        return f"two passes differ by up to {(one - two).abs().max():.2g}"
+
+    def padding_added(bug):  # the bug: no source mask
+        mask = None if bug else padding_mask(padded, COPY_PAD)
+        moved = model.eval().encode(padded, mask)[:, :6] - model.encode(src, None)
+        return f"4 padding tokens move the memory by up to {moved.abs().max():.2g}"
+
+    with torch.no_grad():
+        show_bug("Dropout left on at inference", two_passes)
+        show_bug("A padded key not masked", padding_added)
+
+
+show_example(example_inference_bugs)
 
 
 # %% [markdown]
