@@ -1963,6 +1963,110 @@ def greedy_decode(
 
 
 # %% [markdown]
+# ### Two checks before a long run
+#
+# *Our addition: the paper has no such section.* Two checks take seconds and catch
+# the bugs that would otherwise waste a long run. Both use the model the copy task
+# trains below (2 layers, $d_{\text{model}} = 128$, no dropout) on its data, before
+# that training starts.
+#
+# **The first loss is about $\ln V$.** An untrained model has no reason to prefer one
+# word to another, so its prediction should be close to uniform, $1/V$ for each of the
+# $V$ words, and the loss per token, $-\log p(\text{right word})$, close to $\ln V$.
+# How close follows from the initialisation. The decoder's output leaves the final
+# LayerNorm with gain 1 and bias 0, so at each position it is a vector $x$ with mean 0
+# and variance 1 over its features: $\lVert x \rVert^2 = d_{\text{model}}$. The
+# generator's weights are Glorot-uniform, with variance $2/(d_{\text{model}} + V)$, and
+# its bias is uniform in $\pm 1/\sqrt{d_{\text{model}}}$ (PyTorch's default for
+# `nn.Linear`). So each score $z_v$ has mean 0 and variance
+#
+# $$s^2 = \frac{2\,d_{\text{model}}}{d_{\text{model}} + V} + \frac{1}{3\,d_{\text{model}}}.$$
+#
+# The loss is $\log \sum_v e^{z_v} - z_y$. At $z = 0$ it is exactly $\ln V$; expanded
+# to second order in the scores, its average over initialisations is
+# $\ln V + \frac{s^2}{2}\,(1 - \frac{1}{V})$, and exactly it lies between $\ln V$ and
+# $\ln V + s^2/2$ (Jensen's inequality, both ways; `tests/test_part2_training.py`
+# gives the proof and checks it). For the copy task's $V = 11$ the scores are far
+# from small ($s^2 \approx 1.8$), and the loss starts about 0.8 above $\ln 11$. For
+# $V = 1000$ they are smaller ($s^2 \approx 0.23$), and it starts about 0.1 above
+# $\ln 1000$. The cell prints three initialisations of each: the prediction is for
+# their average, and one initialisation scatters around it.
+#
+# A first loss far above the prediction means the scores start too large: with the
+# generator's weights 10 times larger, the copy model starts near 20, not 3.2 (a test
+# checks it).
+#
+# > **Note.** What is compared is the plain negative log-likelihood, which `run_epoch`
+# > returns in eval mode. The label-smoothed loss of §5.4 starts lower: the KL
+# > divergence from the smoothed target $q$ to a uniform prediction is
+# > $\ln V - H(q)$, where $H(q)$ is the entropy of $q$ (for $V = 11$ and
+# > $\epsilon_{ls} = 0.1$: 1.85, not 2.40). The copy task trains without smoothing,
+# > so there the two are the same.
+
+
+# %%
+def untrained_copy_model(V=11, batch_size=80, seed=0):
+    """The copy task's model before any step (its sizes), one batch, and its loss."""
+    torch.manual_seed(seed)
+    model = make_model(V, V, N=2, d_model=128, d_ff=512, h=4, dropout=0.0)
+    rng = torch.Generator().manual_seed(seed)
+    batch = next(data_gen(V, batch_size, 1, generator=rng))
+    return model, batch, SimpleLossCompute(model.generator, LabelSmoothing(V, COPY_PAD))
+
+
+def example_first_loss(seeds=(0, 1, 2), d_model=128):
+    """The first loss of three initialisations, beside ln V and the prediction."""
+    for V in (11, 1000):
+        s2 = 2 * d_model / (d_model + V) + 1 / (3 * d_model)  # the scores' variance
+        checks = [untrained_copy_model(V, seed=seed) for seed in seeds]
+        losses = [f"{run_epoch([b], m, c, mode='eval')[0]:.3f}" for m, b, c in checks]
+        predicted = math.log(V) + s2 / 2 * (1 - 1 / V)
+        print(
+            f"V = {V:4d}: first loss {', '.join(losses)}; ln V = {math.log(V):.3f}, "
+            f"predicted {predicted:.3f} (s² = {s2:.2f})"
+        )
+
+
+show_example(example_first_loss)
+
+
+# %% [markdown]
+# **The model can learn one batch by heart.** Take one batch of 8 sequences and train
+# on it alone, with plain Adam at a fixed rate of $10^{-3}$: no warm-up and no
+# schedule, since only speed matters here. A model of 930,443 parameters facing 72
+# target tokens should drive the loss near zero in a few dozen steps; we ask for less
+# than 0.01 per token, which means the right tokens get more than 99% of the
+# probability (their geometric mean). If the model cannot do this, neither more data
+# nor more steps will help: something between the input and the loss is broken
+# (gradients that never reach the weights through a `detach` or a `no_grad`,
+# parameters the optimizer was not given, a learning rate stuck at zero, a loss of
+# the wrong sign). The check finds what stops learning, not what makes it too easy:
+# a decoder that can see the future learns one batch by heart too. Nor does any
+# training pass it: were each step's targets drawn afresh, unrelated to the source,
+# a decoder that cannot see the word it predicts could not expect a loss below their
+# entropy, $\ln 10 \approx 2.30$. The tests run that as a control; it also catches
+# targets left unshifted against the decoder's input, which drive it to zero.
+
+
+# %%
+def overfit_one_batch(steps=60, lr=1e-3, seed=0):
+    """Train on one fixed batch of 8 sequences; the loss per token before each step."""
+    model, batch, loss_compute = untrained_copy_model(batch_size=8, seed=seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    return [run_epoch([batch], model, loss_compute, optimizer)[0] for _ in range(steps)]
+
+
+def example_overfit_one_batch():
+    """The loss after every 10th step, and after the last."""
+    losses = overfit_one_batch()
+    shown = ", ".join(f"{k}: {losses[k]:.4f}" for k in [*range(0, 60, 10), 59])
+    print(f"one batch learnt by heart, loss per token after k steps: {shown}")
+
+
+show_example(example_overfit_one_batch)
+
+
+# %% [markdown]
 # ### Training the copy task
 #
 # The settings live in a dataclass. The model is smaller than the paper's

@@ -1010,3 +1010,157 @@ def test_the_originals_copy_example_runs_with_its_dummy_optimizer_and_scheduler(
         model, src, torch.ones(1, 1, 10), max_len=10, start_symbol=0
     )
     assert out.shape == (1, 10) and out[0, 0] == 0
+
+
+# ---------------------------------------------------------------------------------
+# Two checks before a long run: the first loss is about ln V, and one batch can be
+# learnt by heart
+# ---------------------------------------------------------------------------------
+
+COPY_D_MODEL = 128  # the copy task's width, which the two checks' model has
+
+
+def score_variance(V, d=COPY_D_MODEL):
+    """s² = 2d/(d + V) + 1/(3d): an untrained generator's score variance (below)."""
+    return 2 * d / (d + V) + 1 / (3 * d)
+
+
+def first_losses_over_generator_draws(V, draws, scale=1.0):
+    """The untrained copy model's NLL per token on one batch of 8, for `draws` fresh
+    draws of the generator alone (as make_model draws it), the decoder's output fixed;
+    also the mean squared score of each draw. `scale` multiplies the weights."""
+    model, batch, loss_compute = tat.untrained_copy_model(V, batch_size=8)
+    losses, squares = [], []
+    with torch.no_grad():
+        out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
+        for _ in range(draws):
+            model.generator.proj.reset_parameters()  # nn.Linear's draw of the bias
+            tat.initialize(model.generator)  # make_model's Glorot draw of the weight
+            model.generator.proj.weight.mul_(scale)
+            loss = loss_compute.nll(out, batch.tgt_y) / batch.ntokens
+            losses.append(loss.item())
+            squares.append(model.generator.proj(out).pow(2).mean().item())
+    return torch.tensor(losses, dtype=torch.float64), torch.tensor(squares)
+
+
+def mean_and_standard_error(values):
+    return values.mean().item(), values.std().item() / math.sqrt(len(values))
+
+
+GENERATOR_DRAWS = 400
+
+
+@pytest.mark.parametrize("V", [11, 1000])
+def test_the_untrained_models_first_loss_averages_between_ln_v_and_ln_v_plus_half_s2(
+    V,
+):
+    """Averaged over the generator's initial weights, the first loss (plain NLL per
+    token) lies in [ln V, ln V + s²/2], s² = 2d/(d + V) + 1/(3d), d = d_model = 128.
+
+    Derivation. The decoder ends with a LayerNorm of gain 1 and bias 0, so each of its
+    output rows x has mean 0 and variance σ²/(σ² + eps) over its d features:
+    ‖x‖² = d up to eps/σ² (negligible), and never more. The generator's weights are
+    Glorot-uniform on ±a, a² = 6/(d + V), variance a²/3 = 2/(d + V); its bias is
+    uniform on ±1/√d (nn.Linear's draw), variance 1/(3d); all are independent of x
+    and of the target y. So each score z_v = w_v·x + b_v has mean 0 and variance s².
+    The loss of a token is lse(z) - z_y, with lse(z) = log Σ_v exp(z_v).
+    Lower bound: lse(z) ≥ ln V + mean_v z_v (Jensen: exp is convex), and
+    E[mean_v z_v - z_y] = 0. Upper bound: E[lse(z)] ≤ log Σ_v E[exp(z_v)] (Jensen:
+    log is concave); for U uniform on ±c, E[exp(U)] = sinh(c)/c ≤ exp(c²/6) (term by
+    term, since (2k+1)! ≥ 6^k k!), so E[exp(z_v)] ≤ exp(s²/2) and
+    E[loss] ≤ ln V + s²/2. (To second order the average is ln V + (s²/2)(1 - 1/V),
+    which the book prints.)
+
+    The test fixes the decoder's output and redraws the generator 400 times; their
+    mean loss must lie in the band widened by 4 standard errors of that mean,
+    estimated from the draws (a normal mean strays that far about 6 times in 100,000).
+    The mean squared score must equal s² to 4 standard errors of a variance estimate
+    from draws × V independent normal-like scores (each a sum of 128 uniform terms):
+    a relative error of 4·sqrt(2 / (draws·V)); tokens of one draw share the weights,
+    so they are not counted as independent.
+    """
+    losses, squares = first_losses_over_generator_draws(V, GENERATOR_DRAWS)
+    s2 = score_variance(V)
+    assert squares.mean().item() == pytest.approx(
+        s2, rel=4 * math.sqrt(2 / (GENERATOR_DRAWS * V))
+    )
+    mean, se = mean_and_standard_error(losses)
+    assert math.log(V) - 4 * se <= mean <= math.log(V) + s2 / 2 + 4 * se
+
+
+def test_a_generator_ten_times_too_large_starts_far_above_the_ln_v_band():
+    """The control: the same check on a model whose generator weights are 10 times
+    Glorot's fails. Scores of spread 10 s ≈ 13.6 make the loss about the largest of
+    11 scores less a random one, 1.59 · 13.6 ≈ 22 on average (the expected largest of
+    11 normal draws is 1.59 standard deviations): the book says "near 20"."""
+    V = 11
+    losses, squares = first_losses_over_generator_draws(V, GENERATOR_DRAWS, scale=10)
+    mean, se = mean_and_standard_error(losses)
+    s2 = score_variance(V)
+    assert squares.mean().item() > 50 * s2  # 100 times the variance, but for the bias
+    assert mean > math.log(V) + s2 / 2 + 4 * se
+    assert 15 < mean < 30
+
+
+def test_the_two_checks_use_the_copy_tasks_model_and_the_count_the_book_gives():
+    model, batch, loss_compute = tat.untrained_copy_model()
+    config = tat.CopyTaskConfig()
+    sizes = (config.N, config.d_model, config.d_ff, config.h, config.dropout)
+    twin = tat.make_model(config.vocab, config.vocab, *sizes)
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    assert shapes == {name: p.shape for name, p in twin.named_parameters()}
+    assert COPY_D_MODEL == config.d_model
+    assert tat.count_parameters(model) == 930_443  # the number in the book's prose
+    assert len(batch) == config.batch_size and batch.ntokens == 80 * 9
+    assert loss_compute.criterion.smoothing == 0.0  # the training loss is the NLL
+
+
+def test_the_first_loss_example_prints_ln_v_and_the_prediction_for_both_vocabularies(
+    capsys,
+):
+    tat.example_first_loss()
+    lines = capsys.readouterr().out.splitlines()
+    for line, V in zip(lines, (11, 1000), strict=True):
+        s2 = score_variance(V)
+        predicted = math.log(V) + s2 / 2 * (1 - 1 / V)
+        assert line.startswith(f"V = {V:4d}: first loss ")
+        assert line.endswith(
+            f"ln V = {math.log(V):.3f}, predicted {predicted:.3f} (s² = {s2:.2f})"
+        )
+        first = [
+            float(x) for x in line.split("first loss ")[1].split(";")[0].split(",")
+        ]
+        assert len(first) == 3
+
+
+OVERFIT_STEPS, OVERFIT_LR = 60, 1e-3  # the book's overfit_one_batch defaults
+
+
+def test_the_copy_model_learns_one_batch_by_heart_below_0_01_within_60_steps():
+    """The bound the book states: below 0.01 nats per token, i.e. the right tokens
+    get more than exp(-0.01) = 99% of the probability (geometric mean); the model
+    starts near ln 11 + 0.8 (the first test above) and falls past it in 60 steps."""
+    losses = tat.overfit_one_batch(steps=OVERFIT_STEPS, lr=OVERFIT_LR)
+    assert len(losses) == OVERFIT_STEPS
+    assert losses[0] > math.log(VOCAB)  # before any step: untrained
+    assert losses[-1] < 0.01
+
+
+def test_with_targets_drawn_afresh_each_step_the_same_training_stays_far_above_0_01():
+    """The control: the same model, batch, optimizer and steps, but at each step
+    the targets are a fresh copy-task sequence unrelated to the source. Each target
+    token is then uniform over the 10 symbols and independent of the weights that
+    predict it (the look-ahead mask hides it from its own position), so no model
+    can expect a loss below their entropy, ln 10 ≈ 2.30, at any step. A mean over
+    72 tokens falls 1.15 (half of ln 10) below that only if the model is confidently
+    right about many targets drawn after its weights were fixed."""
+    model, batch, loss_compute = tat.untrained_copy_model(batch_size=8)
+    optimizer = torch.optim.Adam(model.parameters(), lr=OVERFIT_LR)
+    rng = torch.Generator().manual_seed(1)
+    losses = [
+        tat.run_epoch(
+            [tat.Batch(batch.src, fresh.src, pad=PAD)], model, loss_compute, optimizer
+        )[0]
+        for fresh in tat.data_gen(VOCAB, 8, OVERFIT_STEPS, generator=rng)
+    ]
+    assert min(losses[-10:]) > math.log(10) / 2
