@@ -105,6 +105,7 @@ import numbers
 import os
 import sys
 import time
+import warnings
 from collections import namedtuple
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,6 +147,19 @@ class ChartOutput:
         png = base64.b64encode(vl_convert.vegalite_to_png(self.spec, scale=2))
         kind = "application/vnd.vegalite.v5+json"  # JupyterLab 4's, for altair's too
         return {kind: self.spec, "image/png": png.decode(), "text/plain": "<chart>"}
+
+
+def require(ok, message, error=ValueError):
+    """Raise error(message) unless `ok`: bad input gets one line saying what to fix."""
+    if not ok:
+        raise error(message)
+
+
+def check_positive_int(**sizes):
+    """Raise a ValueError naming the first argument that is not a positive int."""
+    for name, n in sizes.items():
+        whole = isinstance(n, numbers.Integral) and not isinstance(n, bool)
+        require(whole and n >= 1, f"{name} must be a positive integer, got {n!r}.")
 
 
 # %% [markdown]
@@ -214,12 +228,56 @@ class ChartOutput:
 # layers, joined by the memory, and a generator on top](../images/architecture.png)
 #
 # `EncoderDecoder` wires the five parts together: the two embeddings, the encoder,
-# the decoder and the generator; each is defined below.
+# the decoder and the generator; each is defined below. Its masks follow the
+# convention of the masks section below (1 or `True`: *may attend*); the folded cell
+# checks the masks a user hands it, in one line each, since a mask in PyTorch's
+# opposite convention would otherwise run without an error and give wrong output.
+
+
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+CONVENTION = "1/True where a query may attend (PyTorch's nn.Transformer: True hides)"
+
+
+def check_mask_shape(mask, name, batch, queries, keys):
+    """Refuse a mask that is not (batch or 1, `queries` or 1, keys)."""
+    rows = f"1 or {queries}" if queries > 1 else "1"
+    fits = mask is None or (
+        mask.dim() == 3 and mask.size(0) in (1, batch) and mask.size(-1) == keys
+    )
+    fits = fits and (mask is None or mask.size(1) in (1, queries))
+    shape = tuple(mask.shape) if mask is not None else None
+    want = f"({batch} or 1, {rows}, {keys})"
+    require(fits, f"{name} has shape {shape}, not {want}; masks hold {CONVENTION}.")
+
+
+def misread(mask):
+    """0-d, True if a query sees no key, or a float mask holds more than 0s and 1s."""
+    blind = (mask != 0).any(-1).logical_not().any()
+    return (
+        blind | ((mask != 0) & (mask != 1)).any() if mask.is_floating_point() else blind
+    )
+
+
+def check_masks(**masks):
+    """Refuse a mask that a model would misread: one left in PyTorch's or an additive
+    (0/-inf) convention shows in a query that sees no key (one wait for the device)."""
+    named = {n: m for n, m in masks.items() if m is not None and not m.is_meta}
+    flags = torch.stack([misread(m) for m in named.values()]).tolist() if named else []
+    for name, wrong in zip(named, flags, strict=True):
+        problem = f"{name} leaves a query that sees no key, or is additive (0/-inf)"
+        require(not wrong, f"{problem}: masks hold {CONVENTION}; pass mask == 0.")
 
 
 # %%
 class EncoderDecoder(nn.Module):
-    """An encoder, a decoder, their two embeddings and the output generator."""
+    """An encoder, a decoder, their two embeddings and the output generator.
+
+    forward(src, tgt, src_mask, tgt_mask) -> (batch, tgt_len, d_model): src (batch,
+    src_len) and tgt (batch, tgt_len) are integer token ids; src_mask is (batch or 1,
+    1, src_len), tgt_mask (batch or 1, tgt_len or 1, tgt_len), any dtype, 1 or True
+    where a query may attend (Batch builds both). The generator turns the output
+    into log-probabilities over the target vocabulary.
+    """
 
     def __init__(self, encoder, decoder, src_embed, tgt_embed, generator):
         super().__init__()
@@ -231,12 +289,19 @@ class EncoderDecoder(nn.Module):
 
     def forward(self, src, tgt, src_mask, tgt_mask):
         """Encode the source, then decode the target against it."""
+        check_mask_shape(src_mask, "src_mask", src.size(0), 1, src.size(1))
+        check_mask_shape(tgt_mask, "tgt_mask", tgt.size(0), tgt.size(1), tgt.size(1))
+        check_masks(src_mask=src_mask, tgt_mask=tgt_mask)
         return self.decode(self.encode(src, src_mask), src_mask, tgt, tgt_mask)
 
     def encode(self, src, src_mask):
+        """The memory, (batch, src_len, d_model), of source ids (batch, src_len)."""
+        check_mask_shape(src_mask, "src_mask", src.size(0), 1, src.size(1))
         return self.encoder(self.src_embed(src), src_mask)
 
     def decode(self, memory, src_mask, tgt, tgt_mask):
+        """The decoder's output, (batch, tgt_len, d_model), for target ids tgt."""
+        check_mask_shape(tgt_mask, "tgt_mask", tgt.size(0), tgt.size(1), tgt.size(1))
         return self.decoder(self.tgt_embed(tgt), memory, src_mask, tgt_mask)
 
 
@@ -1099,19 +1164,6 @@ show_example(example_relative_position_is_linear)
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
-def require(ok, message, error=ValueError):
-    """Raise error(message) unless `ok`: bad input gets one line saying what to fix."""
-    if not ok:
-        raise error(message)
-
-
-def check_positive_int(**sizes):
-    """Raise a ValueError naming the first argument that is not a positive int."""
-    for name, n in sizes.items():
-        whole = isinstance(n, numbers.Integral) and not isinstance(n, bool)
-        require(whole and n >= 1, f"{name} must be a positive integer, got {n!r}.")
-
-
 def check_sizes(src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout, **options):
     """Raise a ValueError naming the first of make_model's settings it cannot build."""
     check_positive_int(
@@ -1393,12 +1445,20 @@ show_example(example_same_as_torch)
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
-def check_token_ids(**tensors):
-    """Refuse ids that are not 2-D integer tensors, and targets too short to shift."""
+def check_token_ids(pad, **tensors):
+    """Refuse ids that are not 2-D integer tensors, and targets too short to shift;
+    warn where `pad` comes before a real token (left padding is legal, hence no error;
+    but a forgotten pad= makes a real token padding)."""
     for name, ids in tensors.items():
         ok = torch.is_tensor(ids) and ids.dim() == 2 and not ids.is_floating_point()
         message = f"Batch: {name} must be a 2-D tensor of integer token ids."
         require(ids is None or ok, message, TypeError)
+        if ids is not None and bool(((ids[:, :-1] == pad) & (ids[:, 1:] != pad)).any()):
+            inside = (
+                f"Batch: pad={pad} comes before a real token in {name}; if {pad} is"
+            )
+            hint = "a token, pass Batch(src, tgt, pad=...) (2 is Multi30k's <blank>)."
+            warnings.warn(f"{inside} {hint}", stacklevel=3)
     short = tensors["tgt"] is not None and tensors["tgt"].size(1) < 2
     require(not short, "Batch: tgt needs at least 2 tokens per row (<s> and a word).")
 
@@ -1408,8 +1468,8 @@ class Batch:
     """A batch of source and (optionally) target ids, with their attention masks."""
 
     def __init__(self, src, tgt=None, pad=2):
-        check_token_ids(src=src, tgt=tgt)
-        self.src = src
+        check_token_ids(pad, src=src, tgt=tgt)
+        self.src, self.pad = src, pad
         self.src_mask = padding_mask(src, pad)  # (batch, 1, src_len)
         if tgt is not None:
             self.tgt = tgt[:, :-1]  # decoder input: drop the last token
@@ -1516,12 +1576,17 @@ class TrainState:
 
 
 # %%
-def check_epoch(mode, optimizer, batches):
-    """Refuse an unknown mode, training without an optimizer, and empty data."""
+def check_epoch(mode, optimizer, batches, loss_compute):
+    """Refuse an unknown mode, training without an optimizer, empty data, and a loss
+    whose padding id is not the batches' (it would score padding as words)."""
     ok = mode == "eval" or mode in ("train", "train+log") and optimizer is not None
     require(ok, f"run_epoch: mode {mode!r}: use 'eval', or 'train' with an optimizer.")
     empty = "run_epoch: the data holds no target tokens to predict."
     require(sum(batch.ntokens for batch in batches) > 0, empty)
+    pad = getattr(getattr(loss_compute, "criterion", None), "padding_idx", None)
+    others = sorted({getattr(b, "pad", pad) for b in batches} - {pad})
+    mismatch = f"run_epoch: the loss's padding_idx is {pad}, the batches' pad {others}"
+    require(pad is None or not others, f"{mismatch}: give both the same id.")
 
 
 def eval_loss(loss_compute, out, batch):
@@ -1553,7 +1618,7 @@ def run_epoch(
 ):
     """Run one epoch; return (mean loss per target token, train_state)."""
     batches = list(data_iter)  # a list: the last group must be known
-    check_epoch(mode, optimizer, batches)
+    check_epoch(mode, optimizer, batches, loss_compute)
     training, state = mode != "eval", train_state or TrainState()
     model.train(training)
     total_loss, total_tokens = 0.0, 0
@@ -3634,6 +3699,30 @@ show_example(example_beam_search)
 #
 # > **Changed.** The original's `average` could not run (`m.params()`,
 # > `torch.sum(*ps[1:])`); ours takes modules or state dicts.
+#
+# **Saving a model.** A checkpoint is a state dict, and a model's state dict holds the
+# positional tables too: one $(\text{max\_len}, d_{\text{model}})$ buffer per
+# embedding, a fixed function of the model's sizes and often most of the file (with
+# the default 5,000 positions and $d_{\text{model}} = 128$, 5.1 MB of float32).
+# `without_positional_tables` leaves them out of a state dict to save, and
+# `load_weights` loads weights saved with or without them into a model of any
+# `max_len` (its own tables fill in), strictly otherwise: any other missing or
+# unexpected weight is an error. A state dict saved by the 2018/2022 notebook's
+# `make_model` loads this way too.
+
+
+# %%
+def without_positional_tables(state_dict):
+    """`state_dict` without the positional-encoding tables (its `*.pe` buffers)."""
+    return {k: v for k, v in state_dict.items() if not k.endswith(".pe")}
+
+
+def load_weights(model, state_dict):
+    """Load weights saved with or without positional tables into `model`, whatever
+    its max_len (its own tables kept), strictly otherwise; returns `model`."""
+    tables = {k: v for k, v in model.state_dict().items() if k.endswith(".pe")}
+    model.load_state_dict({**tables, **without_positional_tables(state_dict)})
+    return model
 
 
 # %%
@@ -3892,6 +3981,21 @@ show_example(example_results)
 
 
 # %%
+def attention_maps(model):
+    """The weights each attention layer of an EncoderDecoder kept on its last call
+    (each MultiHeadedAttention's `.attn`), by kind: "encoder_self_attention" and
+    "decoder_self_attention", one (batch, h, queries, keys) tensor per layer, and
+    "decoder_source_attention" (queries: target positions, keys: source). Run a
+    forward pass (or encode and decode) first: a layer not yet run holds None."""
+    enc, dec = model.encoder.layers, model.decoder.layers
+    return {
+        "encoder_self_attention": [layer.self_attn.attn for layer in enc],
+        "decoder_self_attention": [layer.self_attn.attn for layer in dec],
+        "decoder_source_attention": [layer.src_attn.attn for layer in dec],
+    }
+
+
+# %%
 def attention_weights(translator, sentence):
     """Greedy-translate `sentence`, then run the model once more with the weights
     kept: {kind: (per layer (heads, queries, keys), query tokens, key tokens)}."""
@@ -3905,11 +4009,11 @@ def attention_weights(translator, sentence):
         model.decode(memory, src_mask, tgt, tgt_mask)
     source = translator.vocab_src.lookup_tokens(src_ids)  # <s> ... </s>
     target = translator.vocab_tgt.lookup_tokens(tgt_ids)  # <s> y_1 ... y_m
-    enc, dec = model.encoder.layers, model.decoder.layers
+    maps = {kind: [w[0] for w in ws] for kind, ws in attention_maps(model).items()}
     return {
-        "encoder_self_attention": ([x.self_attn.attn[0] for x in enc], source, source),
-        "decoder_self_attention": ([x.self_attn.attn[0] for x in dec], target, target),
-        "decoder_source_attention": ([x.src_attn.attn[0] for x in dec], target, source),
+        "encoder_self_attention": (maps["encoder_self_attention"], source, source),
+        "decoder_self_attention": (maps["decoder_self_attention"], target, target),
+        "decoder_source_attention": (maps["decoder_source_attention"], target, source),
     }
 
 
