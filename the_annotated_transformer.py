@@ -3145,10 +3145,10 @@ def chart_beam(searches, words):
         for i, (score, ids) in enumerate(finished, start=1):
             row, n = f"α = {alpha}: #{i}, {score:.2f}", len(ids) - 1
             cells.append((n, row, ids, score * length_penalty(n, alpha)))
-    keys = "step", "row", "token", "hypothesis", "log P"
+    keys, wide = ("step", "row", "token", "hypothesis", "log P"), {"step": 44}
     rows = [(s, r, words(ids)[-1], " ".join(words(ids)), p) for s, r, ids, p in cells]
     frame = [dict(zip(keys, row, strict=True)) for row in rows]
-    heat = chart(frame, "rect", None, 700, 260, x="step:O", y="row:N", color="log P:Q")
+    heat = chart(frame, "rect", None, wide, 260, x="step:O", y="row:N", color="log P:Q")
     return heat + heat.mark_text().encode(text="token:N", color={"value": "black"})
 
 
