@@ -3660,6 +3660,88 @@ show_example(example_beam_search)
 
 
 # %% [markdown]
+# What does the beam hold at each step? `beam_steps` runs `beam_search_one`,
+# unchanged, on one sentence and watches it through a *forward hook* on the
+# generator: PyTorch calls the hook with every output of `model.generator`, so it
+# sees each step's log-probabilities of the next token, one row per hypothesis in the
+# beam. The next step has one row per hypothesis the search kept, and the search
+# keeps the extensions with the best total log-probability $\log P$ that do not end
+# in `</s>`; so replaying that rule on what the hook saw gives every step's beam, each
+# hypothesis with its ids and its $\log P$. The tests check the replay: each kept
+# hypothesis's $\log P$ is the model's own for its ids, computed afresh, and the best
+# finished one is what `beam_search` returns.
+
+
+# %%
+def beam_steps(model, src_ids, k=4, alpha=0.6, start=BOS, end=EOS):
+    """beam_search_one's finished hypotheses for one sentence, and each step's beam."""
+    src = torch.tensor([src_ids], device=next(model.parameters()).device)
+    seen = []  # each step's log-probabilities of the next token: (rows, vocab)
+    hook = model.generator.register_forward_hook(lambda m, x, out: seen.append(out))
+    search = (None, len(src_ids) + 50, start, end, k, alpha)  # one sentence: no mask
+    with evaluating(model), torch.no_grad(), hook:  # the hook is removed after it
+        finished = beam_search_one(model, model.encode(src, None), *search)
+    beams, beam, scores = [], [[start]], torch.zeros(1, device=src.device)
+    for log_probs, after in zip(seen, seen[1:], strict=False):
+        total = scores.unsqueeze(1) + log_probs  # (rows, vocab)
+        total[:, end] = -math.inf  # an ending hypothesis leaves the beam
+        scores, flat = total.view(-1).topk(len(after))  # `after`: a row per kept one
+        beam = [beam[i // total.size(1)] + [i % total.size(1)] for i in flat.tolist()]
+        beams.append(list(zip(beam, scores.tolist(), strict=True)))  # (ids, log P)s
+    return finished, beams
+
+
+# %% [markdown]
+# The chart shows the beam of one validation sentence as a table: a column per step,
+# a row per hypothesis kept at that step (best first), each cell labelled with the
+# hypothesis's last token and coloured by its $\log P$; point at a cell for the whole
+# hypothesis. Below the beam come the finished hypotheses, once per value of
+# $\alpha$, each in the column of the step that ended it, ranked by its score
+# $\log P / lp(Y)$, which its row's label gives. The printed lines are each $\alpha$'s
+# choice.
+#
+# > **Note (our reading).** $\alpha$ changes nothing in this search: which extensions
+# > are kept depends on $\log P$ alone, and the search stops once $k$ hypotheses have
+# > finished, so both values of $\alpha$ find the same finished hypotheses (the tests
+# > check it). $\alpha$ only ranks them: the larger it is, the more a long
+# > hypothesis's negative $\log P$ is shrunk, so a larger $\alpha$ never prefers a
+# > shorter hypothesis that a smaller one ranks below a longer one. A search that
+# > stopped by comparing penalised scores would let $\alpha$ change the search too.
+
+
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+def chart_beam(searches, words):
+    """Print each alpha's choice; chart the beam and each alpha's finished ranks."""
+    (_, beams), cells = next(iter(searches.values())), []  # one beam for every alpha
+    for step, beam in enumerate(beams, start=1):
+        cells += [(step, f"beam {i}", *h) for i, h in enumerate(beam, start=1)]
+    for alpha, (finished, _) in searches.items():
+        print(f"α = {alpha} picks: {' '.join(words(finished[0][1]))}")
+        for i, (score, ids) in enumerate(finished, start=1):
+            row, n = f"α = {alpha}: #{i}, {score:.2f}", len(ids) - 1
+            cells.append((n, row, ids, score * length_penalty(n, alpha)))
+    keys, wide = ("step", "row", "token", "hypothesis", "log P"), {"step": 44}
+    rows = [(s, r, words(ids)[-1], " ".join(words(ids)), p) for s, r, ids, p in cells]
+    frame = [dict(zip(keys, row, strict=True)) for row in rows]
+    heat = chart(frame, "rect", None, wide, 260, x="step:O", y="row:N", color="log P:Q")
+    return heat + heat.mark_text().encode(text="token:N", color={"value": "black"})
+
+
+# %%
+def example_beam_steps(index=0, k=4, alphas=(0.6, 2.0)):
+    """The beam for one validation sentence, and what two alphas pick from it."""
+    run = notebook_run()
+    if run is not None:
+        translator, de = run.translator, read_split(run.data_dir, "val")[index][0]
+        src_ids, words = translator.encode([de])[0], translator.vocab_tgt.lookup_tokens
+        searches = {a: beam_steps(translator.model, src_ids, k, a) for a in alphas}
+        return chart_beam(searches, words)
+
+
+show_example(example_beam_steps)
+
+
+# %% [markdown]
 # ### Checkpoint averaging
 #
 # The paper's base models are not the weights of the last training step. §6.1

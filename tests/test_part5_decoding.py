@@ -221,3 +221,149 @@ def test_the_books_beam_search_of_width_one_chooses_what_greedy_decoding_chooses
     greedy = tat.greedy_decode(copy_model, src, src_mask, 10, START)
     beam = tat.beam_search(copy_model, src, src_mask, 10, START, 99, beam_size=1)
     assert torch.equal(beam, greedy)  # 99: no end symbol, so all run to max_len
+
+
+# ---------------------------------------------------------------------------
+# A picture of beam search: beam_steps watches beam_search_one through a forward hook
+# on the generator and replays its rule to recover every step's beam
+
+
+@pytest.fixture(scope="module")
+def smoke_translator(trained_checkpoint):
+    """The smoke run's translator with the book's own attention, as the notebook's."""
+    return translation.load_translator(trained_checkpoint, device="cpu", fused=False)
+
+
+@pytest.fixture(scope="module")
+def val_ids(multi30k_dir, smoke_translator):
+    """The source ids of the first four validation sentences."""
+    pairs = tat.read_split(multi30k_dir, "val")[:4]
+    return smoke_translator.encode([de for de, _ in pairs])
+
+
+def test_beam_steps_best_finished_hypothesis_is_what_beam_search_returns(
+    smoke_translator, val_ids
+):
+    model = smoke_translator.model
+    for ids in val_ids:
+        for alpha in (0.6, 2.0):
+            finished, _ = tat.beam_steps(model, ids, 3, alpha)
+            src = torch.tensor([ids])
+            ends = (len(ids) + 50, tat.BOS, tat.EOS)  # the max_len beam_steps uses
+            options = dict(beam_size=3, alpha=alpha)
+            out = tat.beam_search(
+                model, src, tat.padding_mask(src, tat.PAD), *ends, **options
+            )
+            assert finished[0][1] == out[0].tolist()
+            assert len(finished) == 3  # the search stops once k have finished
+
+
+def test_each_step_keeps_at_most_k_live_hypotheses_each_extending_one_kept_before(
+    smoke_translator, val_ids
+):
+    for ids in val_ids:
+        finished, beams = tat.beam_steps(smoke_translator.model, ids, 4, 0.6)
+        kept = [[[tat.BOS]]] + [[h for h, _ in beam] for beam in beams]
+        for step, beam in enumerate(kept[1:], start=1):
+            assert 1 <= len(beam) <= 4
+            assert all(len(h) == step + 1 and h[-1] != tat.EOS for h in beam)
+            assert all(h[:-1] in kept[step - 1] for h in beam), step
+        for _, hypothesis in finished:  # each ends a hypothesis kept a step before
+            assert hypothesis[-1] == tat.EOS
+            assert hypothesis[:-1] in kept[len(hypothesis) - 2]
+
+
+def fresh_log_probs(model, src_ids, hypothesis):
+    """The model's log-probability of each token of `hypothesis` (ids with <s>),
+    decoded from scratch without the cache: (tokens, vocab)."""
+    src, ys = torch.tensor([src_ids]), torch.tensor([hypothesis])
+    with torch.no_grad():
+        memory = model.encode(src, None)
+        out = model.decode(
+            memory, None, ys[:, :-1], tat.subsequent_mask(ys.size(1) - 1)
+        )
+        return model.generator(out)[0]
+
+
+def test_each_kept_hypothesis_log_p_is_the_sum_of_its_tokens_log_probabilities(
+    smoke_translator, val_ids
+):
+    """Each child's log P is its parent's plus its own token's log-probability,
+    recomputed here from scratch."""
+    model = smoke_translator.model.eval()
+    ids = val_ids[0]
+    _, beams = tat.beam_steps(model, ids, 4, 0.6)
+    eps = torch.finfo(torch.float32).eps
+    for step, beam in enumerate(beams, start=1):
+        for hypothesis, log_p in beam:
+            log_probs = fresh_log_probs(model, ids, hypothesis)  # (step, vocab)
+            tokens = torch.tensor(hypothesis[1:]).unsqueeze(1)
+            fresh = log_probs.gather(1, tokens).double().sum().item()
+            # The search's cached steps and these full ones differ per step by at
+            # most float32_tolerance (see it); log P sums `step` of them, and its
+            # float32 running sum rounds once per step, by eps * |log P| at most.
+            tolerance = step * (float32_tolerance(model, log_probs) + eps * abs(fresh))
+            assert log_p == pytest.approx(fresh, abs=tolerance), (step, hypothesis)
+
+
+def test_alpha_ranks_the_same_finished_hypotheses_and_never_prefers_a_shorter_one(
+    smoke_translator, val_ids
+):
+    model, picks = smoke_translator.model, []
+    for ids in val_ids:
+        small, large = (tat.beam_steps(model, ids, 4, alpha) for alpha in (0.6, 2.0))
+        assert small[1] == large[1]  # the same beam at every step: alpha is not used
+        log_p = {}  # each finished hypothesis's log P, as each alpha's score gives it
+        for alpha, (finished, _) in ((0.6, small), (2.0, large)):
+            for score, h in finished:
+                log_p.setdefault(tuple(h), []).append(
+                    score * tat.length_penalty(len(h) - 1, alpha)
+                )
+        # Both searches finish the same hypotheses; a score times its penalty gives
+        # back the same log P, up to the rounding of one division and one product.
+        assert all(len(both) == 2 for both in log_p.values())
+        for a, b in log_p.values():
+            assert a == pytest.approx(b, rel=4 * torch.finfo(torch.float64).eps)
+        rank = {
+            a: [tuple(h) for _, h in f] for a, (f, _) in ((0.6, small), (2.0, large))
+        }
+        for shorter in rank[2.0]:
+            for longer in rank[2.0]:
+                if len(shorter) < len(longer) and (
+                    rank[2.0].index(shorter) < rank[2.0].index(longer)
+                ):
+                    assert rank[0.6].index(shorter) < rank[0.6].index(longer)
+        picks.append((len(rank[0.6][0]), len(rank[2.0][0])))
+    assert all(small <= large for small, large in picks)
+    # Not vacuous: on some sentence the larger alpha picks a longer hypothesis.
+    assert any(small < large for small, large in picks), picks
+
+
+def test_the_beam_chart_has_a_cell_per_hypothesis_with_its_log_p_on_hover(
+    smoke_translator, val_ids, multi30k_dir, monkeypatch, capsys
+):
+    run = tat.NotebookRun(smoke_translator, multi30k_dir, [])
+    monkeypatch.setattr(tat, "notebook_run", lambda: run)
+    spec = tat.example_beam_steps(k=4, alphas=(0.6, 2.0)).to_dict()  # sentence 0
+    model, words = smoke_translator.model, smoke_translator.vocab_tgt.lookup_tokens
+    searches = {a: tat.beam_steps(model, val_ids[0], 4, a) for a in (0.6, 2.0)}
+    (values,) = spec["datasets"].values()
+    beams = searches[0.6][1]
+    finished = [f for found, _ in searches.values() for f in found]
+    assert len(values) == sum(map(len, beams)) + len(finished)
+    assert {"step", "row", "token", "hypothesis", "log P"} == set(values[0])
+    heat, text = spec["layer"]
+    assert heat["mark"] == {"type": "rect", "tooltip": True}  # every field on hover
+    assert heat["encoding"]["color"]["field"] == "log P"
+    assert text["encoding"]["text"]["field"] == "token"
+    for step, beam in enumerate(beams, start=1):
+        for i, (ids, log_p) in enumerate(beam, start=1):
+            cell = dict(step=step, row=f"beam {i}", token=words(ids)[-1])
+            cell.update({"hypothesis": " ".join(words(ids)), "log P": log_p})
+            assert cell in values
+    printed = capsys.readouterr().out
+    for alpha, (found, _) in searches.items():
+        score, ids = found[0]  # each alpha's pick: printed, and its row in the chart
+        row = f"α = {alpha}: #1, {score:.2f}"
+        assert [v["step"] for v in values if v["row"] == row] == [len(ids) - 1]
+        assert f"α = {alpha} picks: {' '.join(words(ids))}\n" in printed
