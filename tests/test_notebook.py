@@ -16,6 +16,17 @@ BOOK = REPO_ROOT / "the_annotated_transformer.py"
 NOTEBOOK = REPO_ROOT / "notebooks" / "the_annotated_transformer.ipynb"
 VEGA_LITE = "application/vnd.vegalite.v5+json"  # the type JupyterLab 4 draws
 VEGA_LITE_SCHEMA = "https://vega.github.io/schema/vega-lite/"
+# A line each of the book's five doing pieces prints: attention by hand, the two
+# checks before a long run, the classic bugs, the proof against nn.Transformer, and
+# the picture of beam search (its choice for each alpha).
+TEACHING_BY_DOING = (
+    "QK^T/sqrt(d_k) (1, 2, 4, 4)",
+    "V =   11: first loss",
+    "one batch learnt by heart, loss per token after k steps:",
+    "A decoder mask that shows the future",
+    "pre-norm, ours -> torch: memory",
+    "α = 0.6 picks: ",
+)
 
 
 def cells(notebook):
@@ -80,5 +91,8 @@ def test_notebook_executes_end_to_end_with_the_smoke_profile(executed_notebook):
     assert "translated identically with and without the cache" in text
     assert "\n  greedy:    " in text and "\n  beam:      " in text
     assert "signature: nrefs:1" in text
+    # The book teaches by doing (issue 34): each of its five pieces printed.
+    for line in TEACHING_BY_DOING:
+        assert line in text, line
     folder = executed_notebook.parent  # the model is trained in memory
     assert not (folder / "runs").exists() and not list(folder.rglob("*.pt"))

@@ -32,6 +32,7 @@ import pytest
 from browser import Browser
 from bs4 import BeautifulSoup
 from conftest import CHROMIUM_FLAGS, book_title, fold_tag, run_chromium
+from test_notebook import TEACHING_BY_DOING
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 IMAGES = REPO_ROOT / "images"
@@ -124,6 +125,13 @@ def dom(chromium, page, tmp_path_factory):
 def test_page_is_titled_with_the_books_title(dom):
     assert dom.title is not None
     assert dom.title.get_text(strip=True) == book_title()
+
+
+def test_the_page_shows_what_the_book_teaches_by_doing(dom):
+    """The five pieces of the book that put numbers on screen show their output."""
+    text = dom.get_text()
+    for line in TEACHING_BY_DOING:
+        assert line in text, line
 
 
 def test_table_of_contents_links_to_sections_of_the_page(dom):
