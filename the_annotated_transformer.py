@@ -1998,17 +1998,36 @@ def default_data_dir():
     return Path.home() / ".cache" / "annotated-transformer" / "multi30k"
 
 
-def fetch_multi30k(data_dir, base_url=MULTI30K_URL):
-    """Download the Multi30k files that `data_dir` lacks, each checked against its
-    published SHA-256; returns data_dir."""
-    from torch.hub import download_url_to_file
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+class DigestMismatch(RuntimeError):
+    """A downloaded file whose SHA-256 is not the published one."""
+
+
+def fetch_multi30k(data_dir, base_url=MULTI30K_URL, timeout=60):
+    """Download each Multi30k file that `data_dir` lacks, or holds with another
+    SHA-256 than the published one, waiting at most `timeout` seconds for each
+    answer; a file takes its name only once checked. Returns data_dir."""
+    import hashlib
+    import urllib.request
+
+    def digest(data):
+        return hashlib.sha256(data).hexdigest()
 
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     for name, sha256 in MULTI30K_SHA256.items():
-        if not (data_dir / name).is_file():
-            target = str(data_dir / name)
-            download_url_to_file(base_url + name, target, sha256, progress=False)
+        target, partial = data_dir / name, data_dir / f".{name}.partial"
+        if target.is_file() and digest(target.read_bytes()) == sha256:
+            continue
+        with urllib.request.urlopen(base_url + name, timeout=timeout) as answer:
+            data = b"".join(iter(functools.partial(answer.read, 1 << 16), b""))
+        if digest(data) != sha256:  # cut short, or not the published file
+            raise DigestMismatch(f"{name} from {base_url} has another SHA-256")
+        try:
+            partial.write_bytes(data)
+            partial.replace(target)
+        finally:
+            partial.unlink(missing_ok=True)
     return data_dir
 
 

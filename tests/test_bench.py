@@ -35,7 +35,7 @@ ROWS = {
     ],
     "batching": ["translate_batched"],
     "beam": ["beam4_batch1", "beam4_batch64"],
-    "startup": ["import", "copy_task", "copy_task_exact"],
+    "startup": ["import", "cli_help", "copy_task", "copy_task_exact"],
     "memory": ["memory_base", "memory_quick"],
 }
 
