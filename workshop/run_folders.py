@@ -172,17 +172,17 @@ def checkpoints_do_not_fit(out_dir, epoch, checkpoint, last, full):
     sizes = checkpoint_size(checkpoint), checkpoint_size(last)
     name = f"epoch_{epoch + 1:03d}.pt"
     if epoch == 0:
-        intact = "no checkpoint of this run was written before, so train it again"
+        intact = "no last.pt was written yet: free some space, then train again"
     else:
         intact = (
-            f"{out_dir / 'last.pt'} still holds epoch {epoch}, intact: continue "
-            "from it with --resume"
+            f"{out_dir / 'last.pt'} still holds epoch {epoch}, intact: free some "
+            "space, then continue from it with --resume"
         )
-    free = "" if full.free is None else f"; {megabytes(full.free)} is free there"
+    free = "" if full.free is None else f", {megabytes(full.free)} free there"
     return DiskFullError(
-        f"the disk of {out_dir} is full: epoch {epoch + 1}'s checkpoints need "
-        f"{megabytes(sizes[0])} for {name} and {megabytes(sizes[1])} for last.pt"
-        f"{free}. Free some space, then {intact}.",
+        f"the disk of {out_dir} is full (writing {Path(full.path).name} stopped"
+        f"{free}): epoch {epoch + 1}'s checkpoints need {megabytes(sizes[0])} for "
+        f"{name} and {megabytes(sizes[1])} for last.pt. {intact}.",
         full.path,
         full.written,
         full.free,
