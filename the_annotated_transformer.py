@@ -2602,7 +2602,8 @@ def read_split(data_dir, split):
 # `data/multi30k` inside the repository (git ignores it), or in the user's cache when
 # the book is used from somewhere else, and downloads them there the first time an
 # example needs them: six files, 1.3 MB together, from the Multi30k project's own
-# repository. Each is kept only if its SHA-256 digest is the published one. A reader
+# repository. Each takes its name only once its SHA-256 digest is the published one,
+# and a file already there is checked again (a damaged one is fetched anew). A reader
 # who has the files elsewhere names that folder in the environment variable
 # `ANNOTATED_TRANSFORMER_DATA` before starting Jupyter, and then nothing is fetched.
 
@@ -2638,16 +2639,35 @@ def default_data_dir():
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
-def fetch_multi30k(data_dir, base_url=MULTI30K_URL):
-    """Fetch the Multi30k files data_dir lacks, checked by SHA-256; returns data_dir."""
-    from torch.hub import download_url_to_file
+class DigestMismatch(RuntimeError):
+    """A downloaded file whose SHA-256 is not the published one."""
+
+
+def fetch_multi30k(data_dir, base_url=MULTI30K_URL, timeout=60):
+    """Download each Multi30k file that `data_dir` lacks, or holds with another
+    SHA-256 than the published one, waiting at most `timeout` seconds for each
+    answer; a file takes its name only once checked. Returns data_dir."""
+    import hashlib
+    import urllib.request
+
+    def digest(data):
+        return hashlib.sha256(data).hexdigest()
 
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     for name, sha256 in MULTI30K_SHA256.items():
-        if not (data_dir / name).is_file():
-            target = str(data_dir / name)
-            download_url_to_file(base_url + name, target, sha256, progress=False)
+        target, partial = data_dir / name, data_dir / f".{name}.partial"
+        if target.is_file() and digest(target.read_bytes()) == sha256:
+            continue
+        with urllib.request.urlopen(base_url + name, timeout=timeout) as answer:
+            data = b"".join(iter(functools.partial(answer.read, 1 << 16), b""))
+        if digest(data) != sha256:  # cut short, or not the published file
+            raise DigestMismatch(f"{name} from {base_url} has another SHA-256")
+        try:
+            partial.write_bytes(data)
+            partial.replace(target)
+        finally:
+            partial.unlink(missing_ok=True)
     return data_dir
 
 

@@ -82,6 +82,8 @@ def bench_device(parser, text):
     exits with one line on stderr when this machine does not have it."""
     try:
         device = tat.default_device() if text is None else parse_device(text)
+        if device.type == "mps":  # its clocks would not wait for queued work
+            raise ValueError("the bench measures on cpu, cuda or cuda:N, not mps")
     except ValueError as problem:  # the workshop's check, as for train --device
         parser.exit(2, f"{parser.prog}: error: argument --device: {problem}\n")
     if device.type == "cuda":

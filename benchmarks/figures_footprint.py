@@ -1,8 +1,9 @@
 """Figures 5 and 6: what the book costs to start and to hold. Import time against
-importing torch alone (host work, whatever the device), the copy task's wall time on
-the bench's device (and how many seeds copy exactly), and the peak memory of a
-training step: resident memory against that after import on the CPU, GPU memory
-allocated against the model's and the batch's on a GPU.
+importing torch alone (host work, whatever the device), and so the time of
+`python -m workshop --help` (it parses before it imports torch), the copy task's
+wall time on the bench's device (and how many seeds copy exactly), and the peak
+memory of a training step: resident memory against that after import on the CPU,
+GPU memory allocated against the model's and the batch's on a GPU.
 
 Run as a script (`figures_footprint.py SPEC`), it is the fresh process whose memory
 figure 6 reads.
@@ -26,7 +27,7 @@ import the_annotated_transformer as tat
 # This folder's modules (bench.py runs as a script, so benchmarks/ is on sys.path).
 from settings import MAX_SENTENCE, ROOT, TRAIN_BATCH, Sizes
 from table import Goal, Row
-from timing import fresh_process_time, median_times, timed_call
+from timing import fresh_process_time, fresh_python_time, median_times, timed_call
 from workloads import (
     book_model,
     quick_profile,
@@ -60,8 +61,11 @@ def figure_startup(ctx):
     settings = ctx.settings
     seconds = median_times(
         {
-            module: functools.partial(fresh_process_time, f"import {module}")
-            for module in ("torch", "the_annotated_transformer")
+            **{
+                module: functools.partial(fresh_process_time, f"import {module}")
+                for module in ("torch", "the_annotated_transformer")
+            },
+            "help": functools.partial(fresh_python_time, "-m", "workshop", "--help"),
         },
         settings.repeats,
         settings.warmup,
@@ -80,6 +84,16 @@ def figure_startup(ctx):
             "import torch",
             seconds["torch"],
             seconds["the_annotated_transformer"] / seconds["torch"],
+        ),
+        Row(
+            "cli_help",
+            "python -m workshop --help (fresh process)",
+            seconds["help"],
+            "s",
+            "import torch",
+            seconds["torch"],
+            seconds["help"] / seconds["torch"],
+            goal=Goal("<", 1.0, on="value"),
         ),
         Row(
             "copy_task",

@@ -72,9 +72,17 @@ def median_times(fns, repeats, warmup=0, min_run_time=None, device=CPU):
 
 def fresh_process_time(code):
     """Seconds to run `python -c code` in a new process from the project root."""
-    command = [sys.executable, "-c", code]
-    _, seconds = timed_call(lambda: subprocess.run(command, cwd=ROOT, check=True))
-    return seconds
+    return fresh_python_time("-c", code)
+
+
+def fresh_python_time(*args):
+    """Seconds to run `python ARGS` in a new process from the project root (what it
+    prints is not shown)."""
+    command = [sys.executable, *args]
+    run = functools.partial(
+        subprocess.run, command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL
+    )
+    return timed_call(run)[1]
 
 
 @functools.cache

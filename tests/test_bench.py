@@ -35,7 +35,7 @@ ROWS = {
     ],
     "batching": ["translate_batched"],
     "beam": ["beam4_batch1", "beam4_batch64"],
-    "startup": ["import", "copy_task", "copy_task_exact"],
+    "startup": ["import", "cli_help", "copy_task", "copy_task_exact"],
     "memory": ["memory_base", "memory_quick"],
 }
 
@@ -66,13 +66,15 @@ def test_median_times_interleaves_the_functions_round_by_round(bench_module):
         (2, None, torch.device("cuda", 0)),
         (2, "cuda:1", torch.device("cuda", 1)),
         (2, "cuda:2", "this machine has cuda:0 to cuda:1"),
-        (2, "gpu", "'gpu' is not cpu, cuda or cuda:N"),
+        (2, "gpu", "'gpu' is not cpu, cuda, cuda:N or mps"),
+        (0, "mps", "the bench measures on cpu, cuda or cuda:N, not mps"),
     ],
 )
 def test_device_option_defaults_to_cuda_if_any_and_refuses_a_missing_one_in_a_line(
     bench_module, monkeypatch, capsys, cuda_devices, argument, expected
 ):
     bench = bench_module("bench")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_devices > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: cuda_devices)
     argv = [] if argument is None else ["--device", argument]

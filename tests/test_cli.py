@@ -7,7 +7,10 @@ it they are skipped on a laptop, but fail in CI (CI=true). The figures command's
 drawings are checked in tests/test_workshop_figures.py.
 """
 
+import contextlib
+import errno
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -32,10 +35,12 @@ import the_annotated_transformer as tat
 from workshop import (
     checkpoints,
     cli,
+    commands,
     multi30k,
     processes,
     results,
     run_folders,
+    run_lock,
     settings,
     training,
     translation,
@@ -87,14 +92,17 @@ def test_figures_command_with_an_unknown_name_exits_2_and_writes_nothing(
     assert not out.exists() or not any(out.iterdir())
 
 
-def assert_one_line_error(result, *expected):
-    """Exit status 2, nothing but one line on stderr, naming each of `expected`."""
-    assert result.returncode == 2, result.stdout + result.stderr
+def assert_one_line_error(result, *expected, status=2):
+    """Exit status `status` (2: the command line is wrong; 1: it failed as it ran),
+    nothing but one line on stderr, naming each of `expected`."""
+    assert result.returncode == status, result.stdout + result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
-    assert "error" in lines[0] and "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "error" in lines[0] or status == 130  # 130: "interrupted; ..."
     for text in expected:
         assert text in lines[0], lines[0]
+    return lines[0]
 
 
 @pytest.mark.parametrize(
@@ -124,16 +132,26 @@ def test_a_count_below_one_exits_2_with_one_line_naming_the_option(
 
 @pytest.mark.parametrize(
     "device, expected",
-    [("tpu", "'tpu' is not cpu, cuda or cuda:N"), ("cuda", "CUDA is not available")],
+    [
+        ("tpu", "'tpu' is not cpu, cuda, cuda:N or mps"),
+        ("cuda", "CUDA is not available"),
+        ("mps", "MPS (the GPU of Apple silicon"),
+    ],
 )
-@pytest.mark.parametrize("command", ["train", "translate"])
+@pytest.mark.parametrize(
+    "command", ["train", "translate", "evaluate", "attention", "reproduce"]
+)
 def test_a_device_this_machine_lacks_exits_2_in_one_line(
     command, device, expected, tmp_path, monkeypatch, run_cli
 ):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # even on a GPU
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     argv = {
         "train": ["--out", str(tmp_path / "run")],
         "translate": ["--checkpoint", "c.pt"],
+        "evaluate": ["--checkpoint", "c.pt"],
+        "attention": ["--checkpoint", "c.pt", "Ein Hund."],
+        "reproduce": ["--out", str(tmp_path / "run")],
     }
     result = run_cli(command, *argv[command], "--device", device)
     assert_one_line_error(result, "--device", expected)
@@ -192,7 +210,7 @@ def wrong_shape(checkpoint):
         (None, "not a readable checkpoint"),  # not a torch file at all
     ],
 )
-def test_translate_with_a_damaged_checkpoint_exits_2_with_one_line_naming_it(
+def test_translate_with_a_damaged_checkpoint_exits_1_with_one_line_naming_it(
     damage, expected, tmp_path, run_cli
 ):
     path = tmp_path / "damaged.pt"
@@ -201,7 +219,7 @@ def test_translate_with_a_damaged_checkpoint_exits_2_with_one_line_naming_it(
     else:
         torch.save(damage(tiny_checkpoint_state()), path)
     result = run_cli("translate", "--checkpoint", str(path), "ein hund")
-    assert_one_line_error(result, "damaged.pt", expected)
+    assert_one_line_error(result, "damaged.pt", expected, status=1)
 
 
 def test_translate_with_no_sentences_and_empty_input_exits_2_saying_what_to_pass(
@@ -226,8 +244,8 @@ def test_an_unexpected_failure_is_one_line_that_says_how_to_see_the_traceback(
     def broken(args):
         raise bug
 
-    monkeypatch.setattr(cli, "_run_command", broken)
-    assert cli.main(["figures"]) == 2
+    monkeypatch.setattr(commands, "run", broken)
+    assert cli.main(["figures"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{type(bug).__name__}: " in err[0]
     assert "ANNOTATED_TRANSFORMER_DEBUG=1" in err[0] and "report it" in err[0]
@@ -240,6 +258,32 @@ def test_help_lists_the_copy_and_figures_commands(run_cli):
     result = run_cli("--help")
     assert result.returncode == 0
     assert "copy" in result.stdout and "figures" in result.stdout
+
+
+def test_help_answers_without_importing_torch():
+    """`python -m workshop --help` parses before it imports anything heavy: torch,
+    the book and the workshop's own modules wait for a command to run (the bench
+    times it: benchmarks/figures_footprint.py's cli_help row)."""
+    code = (
+        "import contextlib, io, json, sys\n"
+        "from workshop.cli import main\n"
+        "quiet = contextlib.redirect_stdout(io.StringIO())\n"
+        "with contextlib.suppress(SystemExit), quiet:\n"
+        "    main(['--help'])\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    loaded = json.loads(result.stdout)
+    assert "argparse" in loaded and "workshop.cli" in loaded  # the control
+    heavy = ("torch", "numpy", "the_annotated_transformer", "workshop.commands")
+    assert [name for name in heavy if name in loaded] == []
+
+
+def test_the_command_lines_data_variable_is_the_books():
+    assert cli.DATA_ENV == tat.DATA_ENV
 
 
 def test_no_command_exits_2_in_one_line_listing_the_commands():
@@ -278,22 +322,22 @@ def test_download_command_fetches_the_files_and_returns_0(
     assert "verified" in capsys.readouterr().out
 
 
-def test_download_command_returns_2_naming_a_file_it_could_not_fetch(
+def test_download_command_returns_1_naming_a_file_it_could_not_fetch(
     multi30k_server, tmp_path, monkeypatch, capsys
 ):
     (multi30k_server.folder / "train.en.gz").unlink()
     url = ["--base-url", multi30k_server.url]
-    assert cli.main(["download", "--data-dir", str(tmp_path / "data"), *url]) == 2
+    assert cli.main(["download", "--data-dir", str(tmp_path / "data"), *url]) == 1
     assert "train.en.gz" in capsys.readouterr().err
 
 
-def test_download_command_cut_off_mid_file_exits_2_in_one_line_and_keeps_nothing(
+def test_download_command_cut_off_mid_file_exits_1_in_one_line_and_keeps_nothing(
     multi30k_server, tmp_path, monkeypatch, capsys
 ):
     multi30k_server.cut.add("train.de.gz")
     target = tmp_path / "data"
     url = ["--base-url", multi30k_server.url]
-    assert cli.main(["download", "--data-dir", str(target), *url]) == 2
+    assert cli.main(["download", "--data-dir", str(target), *url]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "train.de.gz" in err[0]
     assert "train.de.gz" in multi30k_server.requested
@@ -324,7 +368,7 @@ def test_translate_command_names_a_sentence_longer_than_the_models_positions(
     limited = translation.Translator(
         short.eval(), translator.vocab_src, translator.vocab_tgt, config
     )
-    monkeypatch.setattr(cli, "load_translator", lambda path, device=None: limited)
+    monkeypatch.setattr(commands, "load_translator", lambda path, device=None: limited)
     long = " ".join(["Hund"] * 40)  # 42 ids with <s> and </s>
     assert cli.main(["translate", "--checkpoint", "x.pt", "Ein Hund.", long]) == 0
     out, err = capsys.readouterr()
@@ -341,9 +385,9 @@ def test_translate_command_prints_one_line_per_sentence(smoke_run, capsys):
     assert len(capsys.readouterr().out.splitlines()) == 1
 
 
-def test_translate_command_with_a_missing_checkpoint_returns_2(tmp_path, capsys):
+def test_translate_command_with_a_missing_checkpoint_returns_1(tmp_path, capsys):
     path = tmp_path / "missing.pt"
-    assert cli.main(["translate", "--checkpoint", str(path), "Ein Hund."]) == 2
+    assert cli.main(["translate", "--checkpoint", str(path), "Ein Hund."]) == 1
     assert "missing.pt" in capsys.readouterr().err
 
 
@@ -355,14 +399,14 @@ def test_train_command_with_a_folder_without_data_names_the_missing_file(
     tmp_path, capsys
 ):
     argv = ["train", "--data-dir", str(tmp_path / "no_data"), "--out", str(tmp_path)]
-    assert cli.main(argv) == 2
+    assert cli.main(argv) == 1
     err = capsys.readouterr().err
     assert "train.de.gz" in err and "download" in err
 
 
-def test_train_command_with_resume_but_no_last_checkpoint_returns_2(tmp_path, capsys):
+def test_train_command_with_resume_but_no_last_checkpoint_returns_1(tmp_path, capsys):
     argv = ["train", "--data-dir", str(tmp_path), "--out", str(tmp_path), "--resume"]
-    assert cli.main(argv) == 2
+    assert cli.main(argv) == 1
     assert "last.pt" in capsys.readouterr().err
 
 
@@ -383,7 +427,7 @@ def test_train_command_passes_vocab_size_and_sharing_to_the_config(
 ):
     calls = []
     monkeypatch.setattr(
-        cli, "train_model", lambda config, *args, **kwargs: calls.append(config)
+        commands, "train_model", lambda config, *args, **kwargs: calls.append(config)
     )
     argv = ["train", "--data-dir", str(tmp_path), "--out", str(tmp_path)]
     argv += ["--profile", "smoke", "--vocab", "bpe", "--bpe-vocab-size", "2000"]
@@ -465,21 +509,35 @@ def test_resume_refuses_to_change_a_runs_settings_or_to_train_nothing(
     assert (run / "last.pt").read_bytes() == before
 
 
-def test_resume_counts_the_time_limit_from_the_time_the_run_has_spent(
+def test_a_run_stopped_by_its_time_limit_resumes_and_finishes(
     multi30k_dir, tmp_path, capsys
 ):
-    config = smoke_config(epochs=1, time_limit=60.0)  # an hour: epoch 1 fits
-    training.train_model(config, multi30k_dir, tmp_path, quiet=True)
-    last = checkpoints.load_checkpoint(tmp_path / "last.pt")
-    assert 0 < last["elapsed"] < 600  # measured: seconds, not an hour
-    checkpoints.save_checkpoint(
-        tmp_path / "last.pt", last | {"elapsed": 3600.0}
-    )  # spent
-    argv = train_argv(multi30k_dir, tmp_path, "--resume", "--epochs", "2")
+    """The time limit guards one invocation, not the run: a run it stopped goes on
+    with --resume and a limit of its own, and a resume that would train nothing
+    under the run's limit says so and exits non-zero, leaving last.pt alone."""
+    run = tmp_path / "run"
+    # Minutes: one epoch is longer. Three epoch files kept, for the average below.
+    config = smoke_config(epochs=3, time_limit=1e-3, keep_checkpoints=3)
+    training.train_model(config, multi30k_dir, run, quiet=True)
+    stopped = checkpoints.load_checkpoint(run / "last.pt")
+    assert stopped["epoch"] == 0 and "stopped after 1 of the 3" in stopped["stopped"]
+    before = (run / "last.pt").read_bytes()
+    capsys.readouterr()
+    assert cli.main(train_argv(multi30k_dir, run, "--resume")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "would train nothing" in err[0], err
+    assert "--time-limit" in err[0]
+    assert (run / "last.pt").read_bytes() == before
+    argv = train_argv(multi30k_dir, run, "--resume", "--time-limit", "30", "--quiet")
     assert cli.main(argv) == 0
-    assert "stopped after 1 of the 2 epochs" in capsys.readouterr().out
-    again = checkpoints.load_checkpoint(tmp_path / "last.pt")
-    assert again["epoch"] == 0 and "stopped" in again["stopped"]
+    finished = checkpoints.load_checkpoint(run / "last.pt")
+    assert [r["epoch"] for r in finished["history"]] == [1, 2, 3]
+    assert finished["epoch"] == 2 and "stopped" not in finished
+    # Its epochs, saved under two time limits, still average together: the limit
+    # is no setting of the model.
+    epochs = [str(path) for path in run_folders.epoch_files(run)]
+    assert len(epochs) == 3
+    assert cli.main(["average", *epochs, "--out", str(tmp_path / "mean.pt")]) == 0
 
 
 # ---------------------------------------------------------------------------
@@ -497,21 +555,53 @@ def test_average_command_writes_the_averaged_checkpoint_and_returns_0(tmp_path, 
     )
 
 
-def test_average_command_returns_2_naming_a_missing_or_mismatched_checkpoint(
+def test_average_command_returns_1_naming_a_missing_or_mismatched_checkpoint(
     tmp_path, capsys
 ):
     tiny_checkpoint(tmp_path / "a.pt", seed=1)
     out = ["--out", str(tmp_path / "m.pt")]
     assert (
-        cli.main(["average", str(tmp_path / "a.pt"), str(tmp_path / "x.pt"), *out]) == 2
+        cli.main(["average", str(tmp_path / "a.pt"), str(tmp_path / "x.pt"), *out]) == 1
     )
     assert "x.pt" in capsys.readouterr().err
     tiny_checkpoint(tmp_path / "b.pt", seed=2, h=4)
     assert (
-        cli.main(["average", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), *out]) == 2
+        cli.main(["average", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), *out]) == 1
     )
     assert "h=2 vs 4" in capsys.readouterr().err
     assert not (tmp_path / "m.pt").exists()
+
+
+@pytest.mark.parametrize(
+    "out", ["run/last.pt", "run/epoch_002.pt", "elsewhere/last.pt", "run/a.pt"]
+)
+def test_average_refuses_to_write_over_a_runs_own_checkpoints(out, tmp_path, run_cli):
+    run = tmp_path / "run"
+    run.mkdir()
+    tiny_checkpoint(run / "a.pt", seed=1)
+    tiny_checkpoint(run / "epoch_002.pt", seed=2)
+    shutil.copyfile(run / "epoch_002.pt", run / "last.pt")
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    argv = ["average", str(run / "a.pt"), str(run / "epoch_002.pt")]
+    result = run_cli(*argv, "--out", str(tmp_path / out))
+    assert_one_line_error(result, str(tmp_path / out), "another file")
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_resuming_a_last_pt_without_progress_names_what_it_lacks_before_the_data(
+    smoke_run, tmp_path, run_cli
+):
+    """An epoch checkpoint put in last.pt's place holds weights only: --resume
+    says what is missing, before it reads (here: fails to find) any data."""
+    run = copy_of(smoke_run.out, tmp_path)
+    shutil.copyfile(run / "epoch_002.pt", run / "last.pt")
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    argv = train_argv(tmp_path / "no_data", run, "--resume", "--epochs", "3")
+    result = run_cli(*argv)
+    assert_one_line_error(result, "last.pt", "optimizer", "scheduler", status=1)
+    assert "train.de.gz" not in result.stderr  # the data was never read
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
 
 
 # ---------------------------------------------------------------------------
@@ -537,7 +627,7 @@ def test_evaluate_command_with_a_missing_checkpoint_returns_2_naming_it(
 ):
     write_split(tmp_path, "handmade", HANDMADE_PAIRS)
     argv = ["evaluate", "--checkpoint", str(tmp_path / "missing.pt")]
-    assert cli.main([*argv, "--data-dir", str(tmp_path), "--split", "handmade"]) == 2
+    assert cli.main([*argv, "--data-dir", str(tmp_path), "--split", "handmade"]) == 1
     assert "missing.pt" in capsys.readouterr().err
 
 
@@ -545,7 +635,8 @@ def test_evaluate_command_without_a_data_folder_says_what_to_pass(
     tmp_path, capsys, monkeypatch
 ):
     monkeypatch.delenv(tat.DATA_ENV, raising=False)
-    assert cli.main(["evaluate", "--checkpoint", str(tmp_path / "c.pt")]) == 2
+    monkeypatch.chdir(tmp_path)  # the default folder, data/multi30k here, is empty
+    assert cli.main(["evaluate", "--checkpoint", str(tmp_path / "c.pt")]) == 1
     assert "--data-dir" in capsys.readouterr().err
 
 
@@ -659,13 +750,15 @@ def test_download_command_from_a_given_address_exits_0_with_the_six_files(
     assert names_in(target) == sorted(multi30k.MULTI30K_SHA256)  # nothing else
 
 
-def test_download_command_without_network_exits_2_in_one_line_and_keeps_nothing(
+def test_download_command_without_network_exits_1_in_one_line_and_keeps_nothing(
     tmp_path, run_cli
 ):
     closed = f"http://127.0.0.1:{free_port()}/"  # nothing listens: as if offline
     target = tmp_path / "data"
     result = run_cli("download", "--data-dir", str(target), "--base-url", closed)
-    assert_one_line_error(result, "train.de.gz", "could not download", "--data-dir")
+    assert_one_line_error(
+        result, "train.de.gz", "could not download", "--data-dir", status=1
+    )
     assert f"${tat.DATA_ENV}" in result.stderr
     assert not target.exists()  # nothing partial, not even the folder it made
 
@@ -680,10 +773,10 @@ def test_download_command_from_no_address_exits_2_in_one_line(
     assert not target.exists()
 
 
-def test_download_command_into_a_file_exits_2_in_one_line(tmp_path, run_cli):
+def test_download_command_into_a_file_exits_1_in_one_line(tmp_path, run_cli):
     (tmp_path / "afile").write_text("mine")
     result = run_cli("download", "--data-dir", str(tmp_path / "afile"))
-    assert_one_line_error(result, "afile", "not a folder", "--data-dir DIR")
+    assert_one_line_error(result, "afile", "not a folder", "--data-dir DIR", status=1)
     assert (tmp_path / "afile").read_text() == "mine"
 
 
@@ -727,26 +820,54 @@ def committed_log(tmp_path, profile):
     return log
 
 
-def test_make_refuses_to_make_the_venv_with_another_python(tmp_path):
-    """The requirements are pinned for Python 3.11: make says so in one line and makes
-    no .venv with another (here a stand-in that reports 3.12)."""
-    checkout = copy_of_the_checkout(tmp_path)
-    other = tmp_path / "python3.12"
-    other.write_text(
+def stand_in_python(folder, version):
+    """A `python` that reports `version` to make's check of the version, and makes
+    a venv as an empty folder with an empty bin/python (no install)."""
+    path = folder / f"python{version}"
+    major, minor = version.split(".")
+    path.write_text(
         "#!/bin/sh\n"
-        f'exec {sys.executable} -c "import sys; sys.version_info = (3, 12, 0); '
-        'exec(sys.argv[2])" "$@"\n'
+        'if [ "$1" = "-m" ]; then mkdir -p "$3/bin" && touch "$3/bin/python"; '
+        "exit; fi\n"
+        f'exec {sys.executable} -c "import sys; '
+        f'sys.version_info = ({major}, {minor}, 0); exec(sys.argv[2])" "$@"\n'
     )
-    other.chmod(0o755)
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize("version", ["3.11", "3.12", "3.13"])
+def test_make_makes_the_venv_with_python_3_11_to_3_13(version, tmp_path):
+    checkout = copy_of_the_checkout(tmp_path)
+    python = stand_in_python(tmp_path, version)
     result = subprocess.run(
-        ["make", "--no-print-directory", "run", f"PYTHON={other}", "VENV=venv"],
+        ["make", "--no-print-directory", "venv/bin/python", f"PYTHON={python}"]
+        + ["VENV=venv"],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert (checkout / "venv" / "bin" / "python").is_file()
+
+
+@pytest.mark.parametrize("version", ["3.10", "3.14"])
+def test_make_refuses_to_make_the_venv_with_another_python(version, tmp_path):
+    """The requirements are pinned for Python 3.11 to 3.13: make says so in one line
+    and makes no .venv with another."""
+    checkout = copy_of_the_checkout(tmp_path)
+    python = stand_in_python(tmp_path, version)
+    result = subprocess.run(
+        ["make", "--no-print-directory", "run", f"PYTHON={python}", "VENV=venv"],
         cwd=checkout,
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert result.returncode != 0
-    assert "is Python 3.12" in result.stderr and "PYTHON=python3.11" in result.stderr
+    assert f"is Python {version}" in result.stderr
+    assert "3.11, 3.12, 3.13" in result.stderr
     assert not (checkout / "venv").exists()
 
 
@@ -769,7 +890,7 @@ def test_make_data_without_network_fails_in_one_line(target, tmp_path):
     assert result.returncode != 0
     error, make_says = result.stderr.splitlines()  # the error, and make's own line
     assert error.startswith("error: train.de.gz: could not download it from " + closed)
-    assert make_says.startswith("make: *** [Makefile:") and "data] Error 2" in make_says
+    assert make_says.startswith("make: *** [Makefile:") and "data] Error 1" in make_says
     assert not (tmp_path / "checkout" / "data").exists()  # nothing partial
     assert log.read_text(encoding="utf-8") == "the committed log\n"
     assert names_in(log.parent) == ["multi30k.log"]
@@ -849,7 +970,7 @@ def test_ctrl_c_mentions_saved_epochs_only_for_commands_that_save_them(
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_run_command", interrupted)
+    monkeypatch.setattr(commands, "run", interrupted)
     assert cli.main(argv) == 130
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("interrupted")
@@ -868,7 +989,9 @@ def test_translate_into_a_closed_pipe_exits_quietly(monkeypatch, capsys):
         def flush(self):
             pass
 
-    monkeypatch.setattr(cli, "load_translator", lambda path, device=None: Translator())
+    monkeypatch.setattr(
+        commands, "load_translator", lambda path, device=None: Translator()
+    )
     monkeypatch.setattr(sys, "stdout", ClosedPipe())
     assert cli.main(["translate", "--checkpoint", "x.pt", "ein hund"]) == 0
     assert capsys.readouterr().err == ""
@@ -912,7 +1035,7 @@ def test_train_with_processes_checks_the_data_before_spawning_them(
     monkeypatch.setattr(processes.os, "cpu_count", lambda: 4)
     monkeypatch.setattr(processes.torch.cuda, "is_available", lambda: False)
     argv = ["train", "--data-dir", str(tmp_path / "no_data"), "--out", str(tmp_path)]
-    assert cli.main([*argv, "--nprocs", "2", "--profile", "smoke"]) == 2
+    assert cli.main([*argv, "--nprocs", "2", "--profile", "smoke"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "train.de.gz" in err[0]
 
@@ -986,3 +1109,281 @@ def test_a_failing_cell_makes_the_site_build_fail_in_one_line(tmp_path):
     message = str(error.value)
     assert "\n" not in message and "y = x / 0" in message
     assert "ZeroDivisionError: division by zero" in message
+
+
+# ---------------------------------------------------------------------------
+# Bad input, through the command line: one clear line, no traceback, nothing lost
+
+
+def test_train_with_a_mistyped_data_folder_creates_no_run_folder(tmp_path, run_cli):
+    out = tmp_path / "new_run"
+    result = run_cli("train", "--data-dir", str(tmp_path / "typo"), "--out", str(out))
+    assert_one_line_error(result, "train.de.gz", status=1)
+    assert not out.exists()
+
+
+def test_reproduce_with_a_limit_writes_no_results_unless_given_a_folder(
+    reproduced, multi30k_dir, tmp_path, monkeypatch, run_cli
+):
+    """A score on a few sentences is no result: with --limit, reproduce refuses the
+    default results/ (and images/) and writes nothing; given --results DIR, it
+    writes there, training curve included, and the record keeps the limit."""
+    root, _ = reproduced
+    monkeypatch.chdir(tmp_path)  # where results/ and images/ would be written
+    argv = ["reproduce", "--profile", "smoke", "--out", str(root / "run")]
+    argv += ["--no-train", "--data-dir", str(multi30k_dir), "--limit", "5"]
+    argv += ["--beam", "2", "--alphas", "0.6", "--average", "2"]
+    assert_one_line_error(run_cli(*argv), "--limit 5", "--results DIR")
+    assert names_in(tmp_path) == []
+    assert run_cli(*argv, "--results", "quick_check").returncode == 0
+    assert names_in(tmp_path / "quick_check") == [
+        "smoke.json",
+        "smoke.md",
+        "training_curve_smoke.png",
+    ]
+    record = json.loads((tmp_path / "quick_check" / "smoke.json").read_text())
+    assert record["limit"] == 5 and record["test_greedy"]["n"] == 5
+
+
+def test_out_of_memory_gets_its_own_line_saying_what_to_lower(
+    smoke_run, monkeypatch, run_cli
+):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+            "capacity of 7.6 GiB of which 1.1 GiB is free."
+        )
+
+    monkeypatch.setattr(translation.tat.Translator, "translate", out_of_memory)
+    argv = ["translate", "--checkpoint", str(smoke_run.out / "last.pt"), "Ein Hund."]
+    line = assert_one_line_error(run_cli(*argv), "out of memory", "--beam", status=1)
+    assert "Tried to allocate 2.00 GiB" in line and "report it" not in line
+
+
+def test_translate_searches_with_the_beam_and_alpha_it_is_given(
+    translator, smoke_run, run_cli
+):
+    sentences = [SENTENCE, "Zwei Männer spielen Fußball."]
+    checkpoint = str(smoke_run.out / "last.pt")
+    argv = ["translate", "--checkpoint", checkpoint, "--device", "cpu", *sentences]
+    result = run_cli(*argv, "--beam", "3", "--alpha", "1.5")
+    assert result.returncode == 0, result.stderr
+    beam = translator.translate(sentences, **translation.decode_options(3, 1.5))
+    assert result.stdout.splitlines() == beam
+    greedy = run_cli(*argv).stdout.splitlines()
+    assert greedy == translator.translate(sentences, **translation.decode_options())
+
+
+def full_disk_at_the_first_save(monkeypatch):
+    """Make torch.save into a file meet a full disk after 1,000 bytes, as a real
+    one does: torch's writer turns the file's OSError(ENOSPC) into a RuntimeError."""
+    real_save = torch.save
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f, self.room = f, 1000
+
+        def write(self, data):
+            if len(data) > self.room:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.room -= len(data)
+            return self.f.write(data)
+
+    def save(obj, f, *args, **kwargs):
+        target = FullDisk(f) if hasattr(f, "fileno") else f  # a file, not a counter
+        return real_save(obj, target, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+
+
+def raise_in(monkeypatch, name, error):
+    """Make commands.NAME (what a command runs) raise `error`."""
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(commands, name, fail)
+
+
+# Each case: (how to set it up, given `it` (its run folder, data and tmp folders,
+# monkeypatch and a stack of contexts) it returns the command line), the exit
+# status, and what its one line must say.
+BAD_INPUT = {
+    # Issue 40's twelve, as a user meets them
+    "1 a resume whose limit is shorter than an epoch": (
+        lambda it: [*it.train, "--resume", "--epochs", "3", "--time-limit", "1e-5"],
+        2,
+        ["would train nothing", "--time-limit"],
+    ),
+    "2 an average over a run's last.pt": (
+        lambda it: ["average", str(it.run / "epoch_002.pt"), "--out", str(it.last)],
+        2,
+        ["last.pt", "another file"],
+    ),
+    "2 a resume from an averaged last.pt": (
+        lambda it: (
+            checkpoints.average_checkpoints([it.run / "epoch_002.pt"], it.tmp / "a.pt"),
+            shutil.copyfile(it.tmp / "a.pt", it.last),
+            [*it.train, "--resume", "--epochs", "3"],
+        )[-1],
+        1,
+        ["cannot be resumed", "optimizer"],
+    ),
+    "3 a mistyped data folder": (
+        lambda it: ["train", "--data-dir", str(it.tmp / "typo"), "--out", it.new],
+        1,
+        ["typo", "train.de.gz"],
+    ),
+    "4 reproduce --limit into results/": (
+        lambda it: ["reproduce", "--no-train", "--out", str(it.run), "--limit", "5"],
+        2,
+        ["--limit 5", "--results DIR"],
+    ),
+    "6 out of memory while training": (
+        lambda it: (
+            raise_in(it.monkeypatch, "train_model", torch.OutOfMemoryError("CUDA")),
+            ["train", "--out", it.new],
+        )[-1],
+        1,
+        ["out of memory", "--max-tokens"],
+    ),
+    "7 translate with a beam of 0": (
+        lambda it: ["translate", "--checkpoint", str(it.last), "--beam", "0", "x"],
+        2,
+        ["--beam", "at least 1"],
+    ),
+    "7 a device this machine lacks": (
+        lambda it: (
+            it.monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False),
+            ["evaluate", "--checkpoint", str(it.last), "--device", "mps"],
+        )[-1],
+        2,
+        ["--device", "MPS", "--device cpu"],
+    ),
+    "8 a download that waits for nothing": (
+        lambda it: ["download", "--data-dir", it.new, "--timeout", "0"],
+        2,
+        ["--timeout", "above 0"],
+    ),
+    "10 a download address that is none": (
+        lambda it: ["download", "--data-dir", it.new, "--base-url", "notaurl"],
+        2,
+        ["'notaurl'", "http://, https:// or file://"],
+    ),
+    "11 a second writer into a run's folder": (
+        lambda it: (
+            it.stack.enter_context(run_lock.hold_run_folder(it.run)),
+            [*it.train, "--resume", "--epochs", "3"],
+        )[-1],
+        1,
+        ["is in use", f"process {os.getpid()}"],
+    ),
+    "12 a full disk": (
+        lambda it: (
+            full_disk_at_the_first_save(it.monkeypatch),
+            [*it.train, "--resume", "--epochs", "3", "--quiet"],
+        )[-1],
+        1,
+        ["is full", "MB for last.pt", "free there", "still holds epoch 2, intact"],
+    ),
+    # The earlier ones
+    "a resume that changes a setting": (
+        lambda it: [*it.train, "--resume", "--epochs", "3", "--max-tokens", "500"],
+        2,
+        ["max_tokens=500 (the run has 300)"],
+    ),
+    "a resume of a finished run": (
+        lambda it: [*it.train, "--resume"],
+        2,
+        ["has finished its 2 epochs", "--epochs N"],
+    ),
+    "a resume with nothing to resume": (
+        lambda it: ["train", "--data-dir", it.data, "--out", it.new, "--resume"],
+        1,
+        ["no ", "last.pt to continue from"],
+    ),
+    "a new run into a run's folder": (
+        lambda it: it.train,
+        2,
+        ["already holds a training run", "--resume"],
+    ),
+    "a truncated last.pt": (
+        lambda it: (
+            it.last.write_bytes(it.last.read_bytes()[:1000]),
+            [*it.train, "--resume", "--epochs", "3"],
+        )[-1],
+        1,
+        ["last.pt is not a readable checkpoint"],
+    ),
+    "a truncated checkpoint": (
+        lambda it: (
+            (it.tmp / "cut.pt").write_bytes(it.last.read_bytes()[:1000]),
+            ["translate", "--checkpoint", str(it.tmp / "cut.pt"), "Ein Hund."],
+        )[-1],
+        1,
+        ["cut.pt", "not a readable checkpoint"],
+    ),
+    "a missing checkpoint": (
+        lambda it: ["evaluate", "--checkpoint", str(it.tmp / "none.pt")],
+        1,
+        ["none.pt", "not found"],
+    ),
+    "a split that is not there": (
+        lambda it: ["evaluate", "--checkpoint", str(it.last), "--split", "test_2099"],
+        1,
+        ["test_2099.de.gz not found"],
+    ),
+    "an unknown profile": (
+        lambda it: ["train", "--out", it.new, "--profile", "huge"],
+        2,
+        ["invalid choice: 'huge'", "smoke"],
+    ),
+    "more processes than cores": (
+        lambda it: ["train", "--out", it.new, "--nprocs", "100000", "--device", "cpu"],
+        2,
+        ["--nprocs 100000", "at most"],
+    ),
+    "a head the model lacks": (
+        lambda it: ["attention", "--checkpoint", str(it.last), "--head", "9", "x"],
+        2,
+        ["heads must be in 0..1"],
+    ),
+    "Ctrl-C during a run": (
+        lambda it: (
+            raise_in(it.monkeypatch, "train_model", KeyboardInterrupt()),
+            [*it.train, "--resume", "--epochs", "3"],
+        )[-1],
+        130,
+        ["interrupted", "finished epochs are saved"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_one_clear_line_and_loses_nothing(
+    case, smoke_run, multi30k_dir, tmp_path, monkeypatch, run_cli
+):
+    setup, status, expected = BAD_INPUT[case]
+    run = copy_of(smoke_run.out, tmp_path)
+    monkeypatch.chdir(tmp_path)  # what a command writes by default lands here
+    monkeypatch.setenv(tat.DATA_ENV, str(multi30k_dir))
+    with contextlib.ExitStack() as stack:
+        it = SimpleNamespace(
+            run=run,
+            last=run / "last.pt",
+            data=str(multi30k_dir),
+            tmp=tmp_path,
+            new=str(tmp_path / "new"),
+            train=["train", "--data-dir", str(multi30k_dir), "--out", str(run)],
+            monkeypatch=monkeypatch,
+            stack=stack,
+        )
+        argv = setup(it)
+        before = {p.name: p.read_bytes() for p in run.iterdir()}
+        outside = names_in(tmp_path)
+        result = run_cli(*argv)
+        after = {p.name: p.read_bytes() for p in run.iterdir()}
+    line = assert_one_line_error(result, *expected, status=status)
+    assert len(line) < 500, line  # one clear line, not a dump
+    assert after == before
+    assert names_in(tmp_path) == outside  # no folder, file or partial file left

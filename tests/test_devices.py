@@ -163,6 +163,75 @@ def test_on_a_one_gpu_machine_two_cpu_processes_are_allowed(one_gpu_four_cores):
         processes.check_nprocs(5, "cpu")
 
 
+# ---------------------------------------------------------------------------
+# Apple's MPS, mocked: accepted where torch says it is there, in float32, alone
+
+
+@pytest.fixture
+def apple_silicon(monkeypatch):
+    """A machine whose torch reports MPS, and no CUDA."""
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_mps_is_a_device_where_torch_reports_it(apple_silicon):
+    assert processes.parse_device("mps") == torch.device("mps")
+    assert processes.device_for(0, "mps") == torch.device("mps")
+    processes.check_nprocs(1, "mps")
+
+
+def test_mps_is_refused_in_one_line_where_torch_does_not_report_it(monkeypatch):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="MPS .* not available .*--device cpu"):
+        processes.parse_device("mps")
+
+
+def test_a_run_on_mps_trains_in_float32_without_timing_anything(
+    apple_silicon, monkeypatch
+):
+    def never(*args, **kwargs):
+        raise AssertionError("timed a matrix product on MPS")
+
+    monkeypatch.setattr(precision, "bf16_matmul_speedup", never)
+    said = []
+    assert precision.amp_dtype_for(True, torch.device("mps"), said.append) is None
+    assert said == [
+        "--bf16 ignored: runs on Apple's MPS train in float32, so this "
+        "run trains in float32."
+    ]
+
+
+def test_a_run_on_mps_takes_one_process(apple_silicon):
+    with pytest.raises(ValueError, match="--nprocs 2: .* on MPS a run trains in one"):
+        processes.check_nprocs(2, "mps")
+
+
+@pytest.mark.parametrize(
+    "command, argv, runner",
+    [
+        ("train", ["--out", "run"], "train_model"),
+        ("translate", ["--checkpoint", "c.pt", "Ein Hund."], "load_translator"),
+        ("evaluate", ["--checkpoint", "c.pt"], "evaluate"),
+        ("attention", ["--checkpoint", "c.pt", "Ein Hund."], "save_attention_maps"),
+        ("reproduce", ["--out", "run"], "reproduce"),
+    ],
+)
+def test_every_command_that_runs_a_model_hands_mps_on(
+    apple_silicon, command, argv, runner, monkeypatch
+):
+    from workshop import cli, commands
+
+    handed = []
+
+    def stand_in(*args, **kwargs):
+        handed.append(kwargs.get("device", args[1] if len(args) > 1 else None))
+        raise KeyboardInterrupt  # what it was handed is what matters
+
+    monkeypatch.setattr(commands, runner, stand_in)
+    assert cli.main([command, *argv, "--device", "mps"]) == 130
+    assert handed == [torch.device("mps")]
+
+
 def test_each_process_of_a_gpu_run_takes_its_own_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -187,7 +256,8 @@ def test_a_cpu_run_with_processes_on_a_gpu_machine_shares_the_cores(
         handed.update(nprocs=nprocs, args=args)
 
     monkeypatch.setattr(mp, "spawn", spawn)
-    monkeypatch.setattr(training, "run_vocabs", lambda *args: ("de", "en"))
+    monkeypatch.setattr(training, "check_run_data", lambda *args: None)
+    monkeypatch.setattr(training, "build_vocabs", lambda *args: ("de", "en"))
     monkeypatch.setattr(training, "load_checkpoint", lambda path: {"history": []})
     config = training.RunConfig.from_profile("smoke")
     training.train_model(config, tmp_path, tmp_path / "run", nprocs=2, device="cpu")

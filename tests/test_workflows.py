@@ -46,6 +46,20 @@ def test_ci_runs_the_projects_own_script_with_ci_set():
     assert commands.index("make lint") < commands.index("make test")
 
 
+def makefile_pythons():
+    """The Python versions the Makefile makes its .venv with (PYTHON_VERSIONS)."""
+    makefile = (REPO_ROOT / "Makefile").read_text(encoding="utf-8")
+    (line,) = re.findall(r"^PYTHON_VERSIONS := (.*)$", makefile, re.MULTILINE)
+    return line.split()
+
+
+def test_ci_runs_on_every_python_that_make_accepts_each_in_its_image():
+    (job,) = load(CI_WORKFLOW)["jobs"].values()
+    assert job["strategy"]["matrix"]["python"] == makefile_pythons()
+    assert job["container"] == "python:${{ matrix.python }}-bookworm"
+    assert job["strategy"]["fail-fast"] is False  # one Python's failure hides none
+
+
 def test_ci_runs_once_per_commit_and_cancels_superseded_runs():
     workflow = load(CI_WORKFLOW)
     on = triggers(workflow)

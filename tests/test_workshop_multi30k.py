@@ -6,15 +6,19 @@ Multi30k files are found through $ANNOTATED_TRANSFORMER_DATA: without them these
 are skipped on a laptop, but fail in CI (CI=true).
 """
 
+import errno
 import functools
 import gzip
+import pathlib
 import shutil
+import socket
+import urllib.request
 
 import pytest
 from conftest import free_port, names_in, write_lines_gz
 
 import the_annotated_transformer as tat
-from workshop import multi30k, settings, training
+from workshop import cli, multi30k, settings, training
 from workshop.multi30k import DataError
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -117,7 +121,7 @@ def test_download_into_a_complete_folder_fetches_and_writes_nothing(
     def no_download(*args, **kwargs):
         raise AssertionError("downloaded a verified file")
 
-    monkeypatch.setattr("torch.hub.download_url_to_file", no_download)
+    monkeypatch.setattr(urllib.request, "urlopen", no_download)
     closed = f"http://127.0.0.1:{free_port()}/"
     before = names_in(multi30k_dir)
     multi30k.download_multi30k(multi30k_dir, base_url=closed)
@@ -157,7 +161,7 @@ def test_download_from_no_address_says_what_to_give_and_creates_nothing(
     base_url, tmp_path
 ):
     target = tmp_path / "data"
-    with pytest.raises(DataError, match="is not an address to download") as error:
+    with pytest.raises(ValueError, match="is not an address to download") as error:
         multi30k.download_multi30k(target, base_url=base_url, quiet=True)
     assert "http://, https:// or file://" in str(error.value)
     assert not target.exists()
@@ -200,10 +204,89 @@ def test_the_books_fetch_refuses_a_file_whose_digest_differs(multi30k_server, tm
     served = multi30k_server.folder / "val.en.gz"
     served.write_bytes(served.read_bytes()[:-50])  # not the published file
     target = tmp_path / "multi30k"
-    with pytest.raises(RuntimeError, match="invalid hash value"):
+    with pytest.raises(tat.DigestMismatch, match="val.en.gz .* another SHA-256"):
         tat.fetch_multi30k(target, base_url=multi30k_server.url)
     assert "val.en.gz" in multi30k_server.requested
     assert names_in(target) == ["train.de.gz", "train.en.gz", "val.de.gz"]
+
+
+def test_the_books_fetch_fetches_again_a_present_file_that_is_damaged(
+    multi30k_server, multi30k_dir, tmp_path
+):
+    target = tmp_path / "multi30k"
+    tat.fetch_multi30k(target, base_url=multi30k_server.url)
+    damaged = target / "val.de.gz"
+    damaged.write_bytes(damaged.read_bytes()[:-10])
+    multi30k_server.requested.clear()
+    tat.fetch_multi30k(target, base_url=multi30k_server.url)
+    assert multi30k_server.requested == ["val.de.gz"]  # the others, re-hashed, kept
+    assert damaged.read_bytes() == (multi30k_dir / "val.de.gz").read_bytes()
+
+
+def test_the_download_sets_no_process_wide_socket_timeout(
+    multi30k_server, tmp_path, monkeypatch
+):
+    """Each request has its own timeout; the process's other sockets keep theirs."""
+
+    def refuse(timeout):
+        raise AssertionError(f"socket.setdefaulttimeout({timeout}) was called")
+
+    monkeypatch.setattr(socket, "setdefaulttimeout", refuse)
+    target = tmp_path / "data"
+    multi30k.download_multi30k(target, base_url=multi30k_server.url, quiet=True)
+    assert names_in(target) == sorted(multi30k.MULTI30K_SHA256)
+
+
+@pytest.fixture
+def silent_server():
+    """The address of a server on 127.0.0.1 that takes connections (the system
+    queues them) and never answers."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/"
+
+
+def test_a_server_that_never_answers_is_a_timeout_naming_the_file(
+    silent_server, tmp_path, capsys
+):
+    target = tmp_path / "data"
+    argv = ["download", "--data-dir", str(target), "--base-url", silent_server]
+    assert cli.main([*argv, "--timeout", "0.5"]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: train.de.gz: no answer from {silent_server}")
+    assert "within 0.5 s" in line and "nothing was saved" in line
+    assert not target.exists()
+
+
+def test_a_full_disk_while_saving_a_file_is_said_as_such(
+    multi30k_server, tmp_path, monkeypatch, capsys
+):
+    def full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_bytes", full)
+    target = tmp_path / "data"
+    argv = ["download", "--data-dir", str(target), "--base-url", multi30k_server.url]
+    assert cli.main(argv) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: train.de.gz: could not save it in {target}")
+    assert "No space left on device" in line and "SHA-256" not in line
+    assert names_in(tmp_path) == ["served"]  # nothing half-written, no folder made
+
+
+def test_a_failure_that_is_no_download_error_is_not_read_as_a_bad_digest(
+    multi30k_server, tmp_path, monkeypatch, capsys
+):
+    def bug(*args, **kwargs):
+        raise RuntimeError("a bug in the downloader")
+
+    monkeypatch.setattr(urllib.request, "urlopen", bug)
+    argv = ["download", "--data-dir", str(tmp_path / "d"), "--base-url"]
+    assert cli.main([*argv, multi30k_server.url]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "RuntimeError: a bug in the downloader" in line and "report it" in line
+    assert "SHA-256" not in line
 
 
 def test_the_notebook_without_data_or_network_says_so_in_one_line(

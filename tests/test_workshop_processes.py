@@ -116,6 +116,52 @@ def test_micro_batches_that_do_not_end_a_group_run_without_gradient_exchange(
     assert seen == [True] * n_batches
 
 
+def counting_exchanges(model):
+    """Count the gradient exchanges `model` (DDP) starts, through DDP's public
+    communication hook; each does what DDP would do without the hook."""
+    exchanges = []
+
+    def hook(state, bucket):
+        exchanges.append(bucket.index())
+        return (
+            torch.distributed.all_reduce(bucket.buffer(), async_op=True)
+            .get_future()
+            .then(lambda fut: fut.value()[0])
+        )
+
+    model.register_comm_hook(None, hook)
+    return exchanges
+
+
+@pytest.mark.parametrize("plan, exchanges", [(True, 2), (False, 4)])
+def test_gradients_are_exchanged_once_per_optimizer_step(
+    one_process_group, plan, exchanges
+):
+    """Four micro-batches in groups of two: with a plan, DDP's no_sync() keeps the
+    first of each group's gradients to itself, so there are two exchanges (of the
+    model's one bucket); without one, every backward pass exchanges."""
+    module = ddp_test_model()
+    model = processes.GroupSyncDDP(module)
+    seen = counting_exchanges(model)
+    if plan:
+        model.plan_epoch(4, accum_iter=2)
+    loss_compute = processes.DistributedLossCompute(module.generator, ddp_criterion())
+    sgd_epoch(model, module, loss_compute, ddp_halves() * 2, accum_iter=2)
+    assert len(seen) == exchanges and set(seen) == {0}
+
+
+def test_the_runs_ddp_model_is_built_without_a_deprecation_warning(
+    one_process_group, recwarn
+):
+    """The run's DDP leaves its buffers (the positional tables, which never change)
+    unsent before each forward pass through DDP's current option, not the
+    `broadcast_buffers` that torch 2.13 deprecates with a FutureWarning that every
+    process of a run would print."""
+    model, _ = training.models_for_run(ddp_test_model(), distributed=True)
+    assert not [w for w in recwarn if issubclass(w.category, FutureWarning)]
+    assert model.forward_sync_buffers is False
+
+
 def test_ddp_without_a_plan_exchanges_gradients_after_every_micro_batch(
     one_process_group,
 ):

@@ -8,6 +8,7 @@ but fail in CI (CI=true).
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import HANDMADE_PAIRS, PNG_SIGNATURE, EchoTranslator, write_split
 
 import the_annotated_transformer as tat
@@ -151,6 +152,40 @@ def test_reproduce_trains_averages_and_chooses_on_validation_only(reproduced):
     rebuilt = translation.load_translator(root / "run" / "epoch_002.pt")
     assert record["parameters"] == tat.count_parameters(rebuilt.model)
     assert record["train_seconds"] >= sum(r["seconds"] for r in record["history"])
+
+
+def test_reproduce_records_the_precision_versions_commit_and_limit(reproduced):
+    """What the run did (from its last.pt) and what scored it: the JSON and the
+    page say the run trained in float32 (the smoke profile asks for no bf16), with
+    which torch and commit, and that only 20 sentences of each split were scored."""
+    import json
+
+    root, record = reproduced
+    run = checkpoints.load_checkpoint(root / "run" / "last.pt")
+    saved = json.loads((root / "results" / "smoke.json").read_text())
+    assert saved["precision"] == run["precision"] == "float32"
+    assert saved["training"] == run["provenance"]
+    assert saved["machine"] == run["provenance"][-1]["machine"]
+    assert saved["torch"] == torch.__version__
+    assert saved["commit"] == run["provenance"][-1]["commit"]
+    assert saved["limit"] == 20
+    page = (root / "results" / "smoke.md").read_text()
+    assert "Only the first 20 sentences of each split were scored" in page
+    assert "(first 20 sentences only)" in results.results_row(record)
+
+
+@pytest.mark.parametrize("folder", ["results", "images"])
+def test_reproduce_with_a_limit_refuses_the_checkouts_committed_folders(
+    folder, tmp_path
+):
+    committed = Path(tat.__file__).resolve().parent / folder
+    before = sorted(p.name for p in committed.iterdir())
+    folders = {"results_dir": tmp_path, "images_dir": tmp_path, f"{folder}_dir": None}
+    folders[f"{folder}_dir"] = committed
+    with pytest.raises(ValueError, match="limit=5 scores only 5 sentences"):
+        results.reproduce("smoke", tmp_path, tmp_path / "run", limit=5, **folders)
+    assert sorted(p.name for p in committed.iterdir()) == before
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_speed_line_weighs_each_epoch_by_its_time():

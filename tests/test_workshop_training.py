@@ -4,12 +4,17 @@ end. The tests that train find Multi30k through $ANNOTATED_TRANSFORMER_DATA: wit
 it they are skipped on a laptop, but fail in CI (CI=true)."""
 
 import dataclasses
+import errno
 import math
+import platform
+import re
 import shutil
+import subprocess
 
 import pytest
 import torch
 from conftest import (
+    REPO_ROOT,
     names_in,
     smoke_config,
     texts_of,
@@ -19,6 +24,10 @@ from conftest import (
 import the_annotated_transformer as tat
 from workshop import (
     checkpoints,
+    cli,
+    files,
+    precision,
+    provenance,
     run_folders,
     settings,
     training,
@@ -192,13 +201,137 @@ def test_a_checkpoint_write_that_dies_part_way_keeps_the_previous_one(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", dies_part_way)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(files.DiskFullError, match="no space left on the device of"):
         checkpoints.save_checkpoint(path, {"model": {"w": torch.zeros(6)}, "epoch": 1})
     monkeypatch.undo()
     after = checkpoints.load_checkpoint(path)
     assert after["epoch"] == 0
     assert torch.equal(after["model"]["w"], before["model"]["w"])
     assert names_in(tmp_path) == ["last.pt"]
+
+
+class FullDisk:
+    """A file object over `f` that takes `room` more bytes, then fails as the write
+    of a full disk does, with OSError(ENOSPC)."""
+
+    def __init__(self, f, room):
+        self.f, self.room = f, room
+
+    def write(self, data):
+        if len(data) > self.room:
+            self.f.write(bytes(data[: self.room]))
+            self.room = 0
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(data)
+        return self.f.write(data)
+
+
+def fill_the_disk_at_save(monkeypatch, number, wrapped):
+    """Make the `number`-th torch.save from now on (1: the first) meet a full disk
+    after 1,000 bytes: through torch's own writer, which wraps the OSError in a
+    RuntimeError (wrapped=True), or raised as it is (wrapped=False)."""
+    real_save, calls = torch.save, []
+
+    def save(obj, f, *args, **kwargs):
+        calls.append(f)
+        if len(calls) != number or not hasattr(f, "fileno"):  # not a file: a size
+            return real_save(obj, f, *args, **kwargs)
+        if wrapped:
+            return real_save(obj, FullDisk(f, 1000), *args, **kwargs)
+        f.write(b"\0" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", save)
+
+
+def test_torchs_writer_wraps_the_full_disks_oserror_in_a_runtime_error(tmp_path):
+    """The control for the test below: what torch.save raises on a full disk."""
+    with open(tmp_path / "x.pt", "wb") as f, pytest.raises(RuntimeError) as error:
+        torch.save({"w": torch.zeros(10_000)}, FullDisk(f, 1000))
+    assert not isinstance(error.value, OSError)
+    assert error.value.__context__.errno == errno.ENOSPC
+
+
+def stated_megabytes(line, name):
+    return float(re.search(rf"(\d+\.\d) MB for {re.escape(name)}", line).group(1))
+
+
+@pytest.mark.parametrize("wrapped", [True, False], ids=["torch wraps it", "as it is"])
+@pytest.mark.parametrize("failing", [1, 2], ids=["epoch_003.pt", "last.pt"])
+def test_a_full_disk_says_where_what_the_checkpoints_need_and_what_is_intact(
+    failing, wrapped, smoke_run, multi30k_dir, tmp_path, monkeypatch, capsys
+):
+    """A resumed run's third epoch finds the disk full while it writes epoch_003.pt
+    (the first save) or last.pt (the second): one line that says where, what the two
+    checkpoints need and what is free, and that last.pt, as it was, holds epoch 2;
+    no temporary file is left. The sizes it states are those a run with room then
+    writes."""
+    run = tmp_path / "run"
+    shutil.copytree(smoke_run.out, run)
+    before = (run / "last.pt").read_bytes()
+    fill_the_disk_at_save(monkeypatch, failing, wrapped)
+    argv = ["train", "--data-dir", str(multi30k_dir), "--out", str(run)]
+    assert cli.main([*argv, "--resume", "--epochs", "3", "--quiet"]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: the disk of {run} is full")
+    assert "free there" in line and "Traceback" not in line
+    assert f"{run / 'last.pt'} still holds epoch 2, intact" in line
+    assert "--resume" in line
+    assert (run / "last.pt").read_bytes() == before
+    assert checkpoints.load_checkpoint(run / "last.pt")["epoch"] == 1
+    kept = ["epoch_002.pt", "last.pt", "vocab_src.json", "vocab_tgt.json"]
+    if failing == 2:  # the epoch's own checkpoint was written whole before
+        kept.insert(1, "epoch_003.pt")
+    assert names_in(run) == kept
+    monkeypatch.undo()
+    assert cli.main([*argv, "--resume", "--epochs", "3", "--quiet"]) == 0
+    for name in ("epoch_003.pt", "last.pt"):
+        written = (run / name).stat().st_size / 1e6
+        # The message rounds to 0.1 MB (0.05 either way); the checkpoints written now
+        # differ from the refused ones only in a few bytes of their records.
+        assert abs(stated_megabytes(line, name) - written) <= 0.051, name
+
+
+def git_head():
+    """The commit of this checkout, asked of git here; None outside a checkout."""
+    result = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def test_a_run_records_what_it_did_and_a_resumed_run_keeps_its_precision(
+    multi30k_dir, tmp_path, monkeypatch
+):
+    """--bf16 asks; the probe decides (here: it does not pay), and the checkpoints
+    record what was used, with torch's and Python's versions, the commit and the
+    machine. Resumed where the probe would say yes, the run keeps its precision
+    without probing, and adds the new invocation to the record."""
+    monkeypatch.setattr(precision, "bf16_pays", lambda device: (False, "not here"))
+    config = smoke_config(epochs=1, bf16=True)
+    training.train_model(config, multi30k_dir, tmp_path, quiet=True)
+    last = checkpoints.load_checkpoint(tmp_path / "last.pt")
+    epoch = checkpoints.load_checkpoint(tmp_path / "epoch_001.pt")
+    assert last["config"]["bf16"] is True  # what was asked
+    assert last["precision"] == epoch["precision"] == "float32"  # what was used
+    (first,) = last["provenance"]
+    assert epoch["provenance"] == [first]
+    assert first["torch"] == torch.__version__
+    assert first["python"] == platform.python_version()
+    assert first["commit"] == git_head()
+    assert first["machine"] == provenance.describe_machine("cpu")
+    assert (first["first_epoch"], first["device"]) == (1, "cpu")
+
+    def never(device):
+        raise AssertionError("a resumed run probed its precision again")
+
+    monkeypatch.setattr(precision, "bf16_pays", never)
+    training.train_model(
+        smoke_config(epochs=2, bf16=True), multi30k_dir, tmp_path, resume=True
+    )
+    last = checkpoints.load_checkpoint(tmp_path / "last.pt")
+    assert last["precision"] == "float32"
+    assert [part["first_epoch"] for part in last["provenance"]] == [1, 2]
 
 
 class RunsCodeWhenUnpickled:

@@ -1,10 +1,15 @@
 """The workshop beside the book: everything a long run needs and a reader does not.
 
-- cli.py          the command line of `python -m workshop COMMAND` (__main__.py)
+- cli.py          the command line of `python -m workshop COMMAND` (__main__.py):
+                  its arguments (parsed before torch is imported) and how it ends
+- commands.py     what each command runs
+- errors.py       which failures exit 2, 1 or 130
 - settings.py     a run's settings (RunConfig) and the named profiles
 - training.py     training runs: the book's loop with a time limit, resuming, bf16
                   and several processes (train_model)
 - run_folders.py  what a run's folder holds: epochs kept, last.pt, resuming rules
+- run_lock.py     one writer per run folder
+- provenance.py   what a run did: its precision, versions, commit and machine
 - checkpoints.py  vocabulary and checkpoint files, and averaging checkpoints
 - precision.py    bfloat16 where it pays (a measured probe, autocast wrappers)
 - processes.py    several processes (DistributedDataParallel) around the book's loop
@@ -15,8 +20,11 @@
 - flops.py        a training run's useful FLOPs, which a profile's budget spends
 - fast.py         speed tricks: a cheaper dropout, fused attention, a fused
                   label-smoothing loss
-- files.py        one atomic write for every file the project writes
+- files.py        one atomic write for every file the project writes (and what a
+                  full disk says)
 
-Every module imports the book (the_annotated_transformer) and uses its public names;
-the book never imports this package.
+The modules use the book's (the_annotated_transformer's) public names; cli.py,
+errors.py, run_lock.py and files.py need only the standard library, so that the
+command line parses before anything imports torch. The book never imports this
+package.
 """

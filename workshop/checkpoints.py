@@ -5,6 +5,7 @@ model's sizes determine), and the average of a run's checkpoints."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -14,9 +15,9 @@ from the_annotated_transformer import (
     Vocab,
     average,
 )
+from workshop.errors import DataError
 from workshop.files import atomic_write, atomic_write_text
-from workshop.multi30k import DataError
-from workshop.settings import RunConfig
+from workshop.settings import RESUMABLE, RunConfig
 
 
 def subword_vocab_from_json(text):
@@ -53,6 +54,34 @@ def load_vocab(path):
 def save_checkpoint(path, state):
     """torch.save `state` to `path` atomically (workshop.files.atomic_write)."""
     atomic_write(path, lambda f: torch.save(state, f))
+
+
+class _ByteCounter:
+    """A file object that keeps nothing and counts the bytes written to it."""
+
+    def __init__(self):
+        self.size = 0
+
+    def write(self, data):
+        self.size += len(data)
+        return len(data)
+
+    def flush(self):
+        pass
+
+
+def checkpoint_size(state):
+    """How many bytes save_checkpoint would write for `state` (nothing is written)."""
+    counter = _ByteCounter()
+    torch.save(state, counter)
+    return counter.size
+
+
+def is_run_checkpoint_name(path):
+    """Whether `path` is named as a training run names its own checkpoints:
+    last.pt, or epoch_NNN.pt."""
+    name = Path(path).name
+    return name == "last.pt" or re.fullmatch(r"epoch_\d+\.pt", name) is not None
 
 
 def without_positional_tables(state_dict):
@@ -142,7 +171,7 @@ CHECKPOINT_KEYS = ("model", "config", "vocab_src", "vocab_tgt")
 def _check_same_run(first_path, first, path, checkpoint):
     """Raise a DataError unless two checkpoints share settings and vocabularies."""
     a, b = first["config"], checkpoint["config"]
-    keys = sorted((set(a) | set(b)) - {"epochs"})  # resuming may extend the epochs
+    keys = sorted((set(a) | set(b)) - set(RESUMABLE))  # what resuming may change
     differ = [k for k in keys if a.get(k) != b.get(k)]
     if differ:
         listed = ", ".join(f"{k}={a.get(k)!r} vs {b.get(k)!r}" for k in differ)
@@ -159,10 +188,25 @@ def _check_same_run(first_path, first, path, checkpoint):
 
 
 def average_checkpoints(paths, out):
-    """Average checkpoints of one run into a new checkpoint `out`; returns the model."""
-    paths = [Path(p) for p in paths]
+    """Average checkpoints of one run into a new checkpoint `out`; returns the model.
+
+    `out` may not be one of `paths`, nor carry a name a run gives its own
+    checkpoints (last.pt, epoch_NNN.pt): an average holds no optimizer, so over a
+    run's last.pt it would end the run's chance to resume.
+    """
+    paths, out = [Path(p) for p in paths], Path(out)
     if not paths:
         raise ValueError("average: name at least one checkpoint to average.")
+    overwritten = [p for p in paths if p.resolve() == out.resolve()]
+    if overwritten or is_run_checkpoint_name(out):
+        what = "a name a training run gives its own checkpoints (last.pt, epoch_NNN.pt)"
+        if overwritten:
+            what = "one of the checkpoints it averages"
+        raise ValueError(
+            f"average: --out {out} is {what}; an average written there would "
+            "replace it, or be taken for a run's own. Write it to another file, e.g. "
+            f"--out {out.with_name('averaged.pt')}."
+        )
     checkpoints = [load_checkpoint(p) for p in paths]
     for path, checkpoint in zip(paths, checkpoints, strict=True):
         missing = [key for key in CHECKPOINT_KEYS if key not in checkpoint]
@@ -183,5 +227,8 @@ def average_checkpoints(paths, out):
     }
     if "bpe" in first:  # a subword run: keep its vocabulary
         averaged["bpe"] = first["bpe"]
+    for key in ("precision", "provenance"):  # what the run did (the newest's word)
+        if key in checkpoints[-1]:
+            averaged[key] = checkpoints[-1][key]
     save_checkpoint(out, averaged)
     return model

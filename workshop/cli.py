@@ -1,6 +1,12 @@
-"""The command line of `python -m workshop COMMAND`.
+"""The command line of `python -m workshop COMMAND`: its arguments, and how a
+failure ends.
 
-Every failure ends as one line on stderr that says what was wrong, and exit status 2.
+The arguments are parsed first, with the standard library alone (`--help` and a
+mistyped option answer at once); torch, the book and the rest of the workshop are
+imported only then, to run the command (workshop/commands.py). Every failure ends
+as one line on stderr that says what was wrong, and an exit status: 2 for a
+command line that cannot work, 1 for a failure while it ran, 130 when interrupted
+(workshop/errors.py says which is which).
 """
 
 from __future__ import annotations
@@ -8,25 +14,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
-from the_annotated_transformer import (
-    DATA_ENV,
-    MULTI30K_URL,
-    CopyTaskConfig,
-    data_dir_from_env,
-    default_data_dir,
-    example_simple_model,
-)
-from workshop.checkpoints import average_checkpoints
-from workshop.figures import save_attention_maps, save_figures
-from workshop.multi30k import DataError, download_multi30k
-from workshop.processes import parse_device
-from workshop.results import evaluate, reproduce
-from workshop.run_folders import resume_config
-from workshop.settings import TRAIN_PROFILES, RunConfig
-from workshop.training import train_model
-from workshop.translation import decode_options, load_translator
+from workshop.errors import exit_status, is_out_of_memory
+
+# The book's DATA_ENV (tests/test_cli.py holds them equal): named here so that the
+# help is written without importing the book, and with it torch.
+DATA_ENV = "ANNOTATED_TRANSFORMER_DATA"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,40 +42,51 @@ def _positive_int(text):
     return value
 
 
+def _positive_float(text):
+    """argparse type: a number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text!r}")
+    return value
+
+
 def _device(text):
-    """argparse type: a device this machine has ("cpu", "cuda", "cuda:1")."""
+    """argparse type: a device this machine has ("cpu", "cuda", "cuda:1", "mps");
+    torch is imported to ask, only when the option is given."""
+    from workshop.processes import parse_device
+
     try:
         return parse_device(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-DEVICE_HELP = "cpu, cuda or cuda:N (default: the GPUs where there are any)"
+class _ProfileNames:
+    """The names of workshop.settings.TRAIN_PROFILES, as argparse's choices: read
+    (importing torch) only when a command names a profile, or its help is shown."""
+
+    def _names(self):
+        from workshop.settings import TRAIN_PROFILES
+
+        return sorted(TRAIN_PROFILES)
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __contains__(self, name):
+        return name in self._names()
 
 
-def _numbers(text, flag, kind, example):
-    """A comma-separated list of numbers from the command line, as a tuple."""
-    try:
-        values = tuple(kind(part) for part in text.split(","))
-    except ValueError:
-        values = ()
-    whole = kind is int
-    if not values or any(value < 1 if whole else value <= 0 for value in values):
-        each = "at least 1" if whole else "above 0"
-        raise ValueError(
-            f"{flag} takes numbers separated by commas, each {each}, like {example}; "
-            f"got {text!r}."
-        )
-    return values
-
-
+DEVICE_HELP = "cpu, cuda, cuda:N or mps (default: the GPUs where there are any)"
 DATA_DIR_HELP = f"the Multi30k folder (default: ${DATA_ENV}, else data/multi30k)"
+PROFILE_HELP = "settings: %(choices)s"
 
 
-def data_dir_of(args):
-    """--data-dir, else $ANNOTATED_TRANSFORMER_DATA, else the book's default folder
-    (data/multi30k in the checkout, which `make data` fills)."""
-    return Path(args.data_dir or data_dir_from_env() or default_data_dir())
+def _add_device(command):
+    command.add_argument("--device", type=_device, help=DEVICE_HELP)
 
 
 def build_parser():
@@ -95,22 +99,53 @@ def build_parser():
         dest="command", metavar="COMMAND", parser_class=_Parser
     )
     copy_cmd = commands.add_parser("copy", help="train the copy task and show copies")
-    copy_cmd.add_argument("--epochs", type=_positive_int, default=CopyTaskConfig.epochs)
-    copy_cmd.add_argument("--seed", type=int, default=CopyTaskConfig.seed)
+    copy_cmd.add_argument(
+        "--epochs", type=_positive_int, help="(default: the book's CopyTaskConfig)"
+    )
+    copy_cmd.add_argument("--seed", type=int, help="(default: the book's)")
     copy_cmd.add_argument("--quiet", action="store_true", help="no per-epoch lines")
     download = commands.add_parser("download", help="fetch and verify Multi30k")
     download.add_argument("--data-dir", help=DATA_DIR_HELP)
     download.add_argument(
         "--base-url",
-        default=MULTI30K_URL,
         help="the address of a folder (or a mirror) that holds the six files "
         "(default: the Multi30k project's repository)",
     )
+    download.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=60.0,
+        help="seconds to wait for each answer of the server (default: 60)",
+    )
+    _add_train_command(commands)
+    trans = commands.add_parser("translate", help="translate German sentences")
+    trans.add_argument("--checkpoint", required=True, help="a .pt from train")
+    trans.add_argument(
+        "--beam", type=_positive_int, default=1, help="beam size (1: greedy, default)"
+    )
+    trans.add_argument(
+        "--alpha", type=float, default=0.6, help="beam's length penalty α (0.6)"
+    )
+    _add_device(trans)
+    trans.add_argument("sentences", nargs="*", help="sentences (default: stdin)")
+    figures = commands.add_parser("figures", help="write the book's charts as PNG")
+    figures.add_argument("--out", default="images", help="output folder (images/)")
+    figures.add_argument("names", nargs="*", help="only these charts (default: all)")
+    _add_results_commands(commands)
+    parser.command_names = list(commands.choices)
+    return parser
+
+
+def _add_train_command(commands):
+    """The train command's options."""
     train = commands.add_parser("train", help="train a German->English model")
     train.add_argument("--data-dir", help=DATA_DIR_HELP)
     train.add_argument("--out", required=True, help="folder for checkpoints")
     train.add_argument(
-        "--profile", choices=sorted(TRAIN_PROFILES), help="settings (default: quick)"
+        "--profile",
+        choices=_ProfileNames(),
+        metavar="NAME",
+        help=PROFILE_HELP + " (default: quick)",
     )
     train.add_argument(
         "--resume", action="store_true", help="continue the run in --out"
@@ -124,7 +159,10 @@ def build_parser():
     train.add_argument("--accum-iter", type=_positive_int, help="micro-batches a step")
     train.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
     train.add_argument(
-        "--time-limit", type=float, help="minutes: start no epoch that would end later"
+        "--time-limit",
+        type=_positive_float,
+        help="minutes this invocation may train: it starts no epoch that would end "
+        "later (a resumed run counts from its own start)",
     )
     train.add_argument(
         "--vocab", choices=("word", "bpe"), help="words (default) or joint subwords"
@@ -140,22 +178,13 @@ def build_parser():
     train.add_argument(
         "--nprocs", type=_positive_int, default=1, help="spawn K processes"
     )
-    train.add_argument("--device", type=_device, help=DEVICE_HELP)
+    _add_device(train)
     train.add_argument("--quiet", action="store_true")
-    trans = commands.add_parser("translate", help="translate German sentences")
-    trans.add_argument("--checkpoint", required=True, help="a .pt from train")
-    trans.add_argument("--device", type=_device, help=DEVICE_HELP)
-    trans.add_argument("sentences", nargs="*", help="sentences (default: stdin)")
-    figures = commands.add_parser("figures", help="write the book's charts as PNG")
-    figures.add_argument("--out", default="images", help="output folder (images/)")
-    figures.add_argument("names", nargs="*", help="only these charts (default: all)")
-    _add_results_commands(commands)
-    parser.command_names = list(commands.choices)
-    return parser
 
 
 def _add_results_commands(commands):
-    """The evaluate, average and attention commands (Part 5 and the results)."""
+    """The evaluate, reproduce, average and attention commands (Part 5 and the
+    results)."""
     evaluate_cmd = commands.add_parser("evaluate", help="BLEU of a checkpoint")
     evaluate_cmd.add_argument("--checkpoint", required=True, help="a .pt from train")
     evaluate_cmd.add_argument("--data-dir", help=DATA_DIR_HELP)
@@ -168,14 +197,29 @@ def _add_results_commands(commands):
     evaluate_cmd.add_argument("--output", help="write the translations to this file")
     evaluate_cmd.add_argument("--batch-size", type=_positive_int, default=64)
     evaluate_cmd.add_argument("--alpha", type=float, default=0.6, help="beam's α")
+    _add_device(evaluate_cmd)
     repro = commands.add_parser(
         "reproduce", help="train, average, choose on val, score test: a Results row"
     )
-    repro.add_argument("--profile", default="multi30k", choices=sorted(TRAIN_PROFILES))
+    repro.add_argument(
+        "--profile",
+        default="multi30k",
+        choices=_ProfileNames(),
+        metavar="NAME",
+        help=PROFILE_HELP + " (default: multi30k)",
+    )
     repro.add_argument("--data-dir", help=DATA_DIR_HELP)
     repro.add_argument("--out", help="checkpoint folder (default runs/PROFILE)")
-    repro.add_argument("--results", default="results", help="for PROFILE.json, .md")
-    repro.add_argument("--images", default="images", help="for the training curve")
+    repro.add_argument(
+        "--results",
+        help="folder for PROFILE.json and .md (default: results; required with "
+        "--limit, whose scores are no results)",
+    )
+    repro.add_argument(
+        "--images",
+        help="folder for the training curve (default: images; with --limit, the "
+        "--results folder)",
+    )
     repro.add_argument(
         "--average",
         default="2,3,4,5",
@@ -193,6 +237,7 @@ def _add_results_commands(commands):
     repro.add_argument(
         "--no-train", action="store_true", help="report on the run already in --out"
     )
+    _add_device(repro)
     average_cmd = commands.add_parser("average", help="average checkpoints of a run")
     average_cmd.add_argument("checkpoints", nargs="+", help="epoch_NNN.pt files")
     average_cmd.add_argument("--out", required=True, help="the averaged checkpoint")
@@ -203,39 +248,67 @@ def _add_results_commands(commands):
     attention.add_argument(
         "--head", type=int, action="append", dest="heads", metavar="H", help="repeat"
     )
+    _add_device(attention)
     attention.add_argument("sentence", help="a German sentence")
 
 
-def main(argv=None):
-    """Entry point of `python -m workshop ...`.
+def check_combinations(parser, args):
+    """Refuse, as argparse refuses a bad option, combinations of options that
+    cannot work together."""
+    if args.command == "reproduce" and args.limit is not None and not args.results:
+        parser.error(
+            f"reproduce --limit {args.limit} scores only {args.limit} sentences of "
+            "each split, which is no result to keep in results/: name another "
+            "folder for them with --results DIR"
+        )
 
-    Every failure ends as one line on stderr that says what was wrong, and exit
-    status 2 (set ANNOTATED_TRANSFORMER_DEBUG=1 to see the traceback instead).
+
+# What to lower, per command, when the device runs out of memory.
+OUT_OF_MEMORY_ADVICE = {
+    "train": "lower --max-tokens (raise --accum-iter to keep the tokens of each "
+    "step), or train on another --device",
+    "reproduce": "train the run with `train --max-tokens N --accum-iter K`, then "
+    "report on it with `reproduce --no-train`, or use another --device",
+    "evaluate": "lower --batch-size or --beam, or use another --device",
+    "translate": "translate fewer or shorter sentences at once, lower --beam, or "
+    "use another --device",
+    "attention": "use a shorter sentence, or another --device",
+}
+
+
+def main(argv=None):
+    """Entry point of `python -m workshop ...`; returns the exit status.
+
+    Every failure ends as one line on stderr that says what was wrong (set
+    ANNOTATED_TRANSFORMER_DEBUG=1 to see the traceback instead).
     """
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         names = ", ".join(parser.command_names)
         parser.error(f"name a command: {names}")
+    check_combinations(parser, args)
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):  # progress shows up in log files, and a
             # console that cannot show a character (say, α) gets an escape instead
             stream.reconfigure(line_buffering=True, errors="backslashreplace")
     try:
-        return _run_command(args)
-    except KeyboardInterrupt:
+        from workshop import commands  # torch, the book and the workshop
+
+        return commands.run(args)
+    except KeyboardInterrupt as error:
         saves = args.command in ("train", "reproduce")
         note = "; finished epochs are saved in --out" if saves else ""
         print(f"interrupted{note}", file=sys.stderr)
-        return 130
+        return exit_status(error)
     except BrokenPipeError:  # the reader left (`... | head -1`): stop quietly
         _quiet_stdout()
         return 0
     except Exception as error:
         if os.environ.get("ANNOTATED_TRANSFORMER_DEBUG"):
             raise
-        print(f"error: {_one_line(error)}", file=sys.stderr)
-        return 2
+        print(f"error: {_one_line(error, args.command)}", file=sys.stderr)
+        return exit_status(error)
 
 
 def _quiet_stdout():
@@ -248,121 +321,17 @@ def _quiet_stdout():
         pass
 
 
-def _one_line(error):
-    """An exception as one line: its message, or its type for an unexpected one."""
-    expected = (ValueError, OSError, DataError)
+def _one_line(error, command):
+    """An exception as one line: what to do for an out-of-memory error, the message
+    of an expected one, and its type too for an unexpected one."""
     text = " ".join(str(error).split()) or type(error).__name__
-    if isinstance(error, expected):
+    if is_out_of_memory(error):
+        advice = OUT_OF_MEMORY_ADVICE.get(command, "use another --device")
+        what = ". ".join(text.split(". ")[:3]).rstrip(".")  # what, how much, room
+        return f"out of memory ({what}): {advice}."
+    if isinstance(error, ValueError | OSError):  # DataError is a ValueError
         return text
     return (
         f"{type(error).__name__}: {text} (unexpected: set "
         "ANNOTATED_TRANSFORMER_DEBUG=1 for the traceback and report it)"
     )
-
-
-def _run_command(args):
-    """Run the parsed command; returns the exit status."""
-    if args.command == "copy":
-        config = CopyTaskConfig(epochs=args.epochs, seed=args.seed)
-        _, exact = example_simple_model(config, quiet=args.quiet)
-        return 0 if exact else 1
-    if args.command == "figures":
-        save_figures(args.out, args.names)
-    elif args.command == "download":
-        download_multi30k(data_dir_of(args), base_url=args.base_url)
-    elif args.command == "train":
-        overrides = {
-            key: value
-            for key, value in (
-                ("epochs", args.epochs),
-                ("max_tokens", args.max_tokens),
-                ("accum_iter", args.accum_iter),
-                ("time_limit", args.time_limit),
-            )
-            if value is not None
-        }
-        if args.bf16:
-            overrides["bf16"] = True
-        if args.vocab is not None:
-            overrides["vocab"] = args.vocab
-        if args.bpe_vocab_size is not None:
-            overrides["bpe_vocab_size"] = args.bpe_vocab_size
-        if args.share_embeddings:
-            overrides["share_embeddings"] = overrides["tie_generator"] = True
-        if args.epochs is not None and not args.resume:
-            overrides["flop_budget"] = None  # the epochs asked for, not the budget's
-        if args.resume:  # the run's own settings; only --epochs may grow
-            if args.profile is not None:
-                overrides["profile"] = args.profile
-            config = resume_config(args.out, **overrides)
-        else:
-            config = RunConfig.from_profile(args.profile or "quick", **overrides)
-        train_model(
-            config,
-            data_dir_of(args),
-            args.out,
-            resume=args.resume,
-            nprocs=args.nprocs,
-            quiet=args.quiet,
-            device=args.device,
-        )
-    elif args.command == "translate":
-        translator = load_translator(args.checkpoint, args.device)
-        sentences = _sentences_to_translate(args.sentences)
-        for line in translator.translate(sentences, **decode_options()):
-            print(line)
-    elif args.command in ("evaluate", "average", "attention", "reproduce"):
-        _run_results_command(args)
-    return 0
-
-
-def _sentences_to_translate(arguments):
-    """The sentences given on the command line, else those read from stdin."""
-    sentences = [s.strip() for s in arguments if s.strip()]
-    if not sentences:
-        if sys.stdin.isatty():
-            print("German sentences, one per line; end with Ctrl-D:", file=sys.stderr)
-        sentences = [line.strip() for line in sys.stdin if line.strip()]
-    if not sentences:
-        raise ValueError(
-            "translate: no sentences given. Pass them as arguments, or one per line "
-            "on standard input."
-        )
-    return sentences
-
-
-def _run_results_command(args):
-    """Run the evaluate, average, attention or reproduce command."""
-    if args.command == "evaluate":
-        split, beam, output = args.split, args.beam, args.output
-        evaluate(
-            args.checkpoint,
-            data_dir_of(args),
-            split,
-            beam,
-            output,
-            args.batch_size,
-            alpha=args.alpha,
-        )
-    elif args.command == "reproduce":
-        reproduce(
-            args.profile,
-            data_dir_of(args),
-            args.out or Path("runs") / args.profile,
-            args.results,
-            args.images,
-            windows=_numbers(args.average, "--average", int, "2,3,5"),
-            beam_sizes=_numbers(args.beam, "--beam", int, "4,6"),
-            alphas=_numbers(args.alphas, "--alphas", float, "0.6,1.0"),
-            train=not args.no_train,
-            limit=args.limit,
-        )
-    elif args.command == "average":
-        average_checkpoints(args.checkpoints, args.out)
-        print(f"averaged {len(args.checkpoints)} checkpoints into {args.out}")
-    else:
-        paths = save_attention_maps(
-            args.checkpoint, args.sentence, args.out, args.layer, args.heads
-        )
-        for path in paths:
-            print(f"wrote {path}")

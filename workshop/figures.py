@@ -96,9 +96,12 @@ def readable(vocab, tokens):
     return [vocab.decode([vocab[token]]).strip() or token for token in tokens]
 
 
-def save_attention_maps(checkpoint, sentence, out_dir, layer=0, heads=None):
-    """Write the three attention maps of `sentence` as PNG files; returns the paths."""
-    translator = load_translator(checkpoint, fused=False)
+def save_attention_maps(
+    checkpoint, sentence, out_dir, layer=0, heads=None, device=None
+):
+    """Write the three attention maps of `sentence` as PNG files; returns the paths.
+    `device`: where the checkpoint's model runs (default: the book's default)."""
+    translator = load_translator(checkpoint, device, fused=False)
     out_dir = Path(out_dir)
     maps = attention_maps(translator, sentence, layer, heads)
     return [save_png(chart, out_dir / f"{name}.png") for name, chart in maps.items()]

@@ -5,7 +5,9 @@ site's page) goes through `atomic_write`: the bytes go to a temporary file with 
 unique name in the same folder, are flushed to disk, and the temporary file is then
 renamed over the target, and the folder flushed too. A reader sees the old file or
 the new one, never a mixture; a write that fails leaves the old file as it was and
-no temporary file behind.
+no temporary file behind. A write that finds the disk full raises DiskFullError,
+which says where and how much space is free, even when the OSError of the full disk
+reached it wrapped in another error (torch's writer wraps it in a RuntimeError).
 
 This module uses only the standard library, so the tools in tools/ can load it by
 its path without importing the rest of the workshop.
@@ -13,9 +15,49 @@ its path without importing the rest of the workshop.
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import tempfile
 from pathlib import Path
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # the device is full; the user's quota is
+
+
+class DiskFullError(OSError):
+    """A write that found no space left on its device. `path` is the file that was
+    being written, `written` how many of its bytes reached the disk, and `free` how
+    many bytes are free there now."""
+
+    def __init__(self, message, path, written, free):
+        super().__init__(message)
+        self.errno = errno.ENOSPC
+        self.path, self.written, self.free = path, written, free
+
+
+def megabytes(n):
+    """A number of bytes for a message: "3.2 MB"."""
+    return f"{n / 1e6:.1f} MB"
+
+
+def no_space_left(error):
+    """Whether `error`, or an error it was raised from or during, says the disk
+    is full."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in NO_SPACE:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def free_bytes(folder):
+    """Bytes free for this user on the file system of `folder` (None if unknown)."""
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
 
 
 def _fsync_folder(folder):
@@ -46,11 +88,28 @@ def atomic_write(path, write):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
+        written = Path(tmp).stat().st_size if Path(tmp).exists() else 0
         Path(tmp).unlink(missing_ok=True)
+        if no_space_left(error):
+            raise disk_full(path, written) from error
         raise
     _fsync_folder(path.parent)
     return path
+
+
+def disk_full(path, written):
+    """The DiskFullError of a write of `path` that stopped after `written` bytes."""
+    free = free_bytes(path.parent)
+    room = "" if free is None else f", {megabytes(free)} free there"
+    return DiskFullError(
+        f"no space left on the device of {path.parent} ({megabytes(written)} of "
+        f"{path.name} written{room}): {path} is as it was before. Free some space, "
+        "then run the command again.",
+        path,
+        written,
+        free,
+    )
 
 
 def atomic_write_bytes(path, data):

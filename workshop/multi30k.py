@@ -1,18 +1,28 @@
 """Multi30k's files: download them, and check them against their published digests.
 
-The file names, their SHA-256 digests and the address come from the book
-(`MULTI30K_SHA256`, `MULTI30K_URL`), which fetches them itself in the notebook; this
-module adds what the command line needs: a report per file, a check of files already
-there, and one clear line when something goes wrong.
+The file names, their SHA-256 digests, the address and the one downloader come
+from the book (`MULTI30K_SHA256`, `MULTI30K_URL`, `fetch_multi30k`), which the
+notebook uses itself; this module adds what the command line needs: a report per
+file, and one clear line, naming the file, for what actually went wrong (no
+network, no answer in time, an HTTP error, a file that is not the published one,
+a folder that cannot hold the files or a full disk).
 """
 
 from __future__ import annotations
 
 import http.client
+import ssl
+import urllib.error
 from pathlib import Path
 
 import the_annotated_transformer as tat
-from the_annotated_transformer import DATA_ENV, MULTI30K_SHA256, MULTI30K_URL
+from the_annotated_transformer import (
+    DATA_ENV,
+    MULTI30K_SHA256,
+    MULTI30K_URL,
+    DigestMismatch,
+)
+from workshop.errors import DataError
 
 __all__ = [
     "MULTI30K_SHA256",
@@ -23,10 +33,6 @@ __all__ = [
     "read_split",
     "verify_split",
 ]
-
-
-class DataError(ValueError):
-    """A data file is missing, damaged or inconsistent; the message says what to do."""
 
 
 def how_to_get_data(data_dir):
@@ -50,16 +56,31 @@ def sha256_of(path):
     return digest.hexdigest()
 
 
+def is_published(path):
+    """Whether `path` is a file with its published SHA-256 (by its name)."""
+    return path.is_file() and sha256_of(path) == MULTI30K_SHA256[path.name]
+
+
 # What every download error ends with: where else the files can come from.
 ELSEWHERE = (
     f"give a folder that holds the six files instead: --data-dir DIR or "
     f"${DATA_ENV} (for make: DATA_DIR=DIR)"
 )
 
+# The errors of the network's side of a download, as urllib and http.client raise
+# them; any other OSError comes from writing the file.
+NETWORK_ERRORS = (
+    urllib.error.URLError,
+    TimeoutError,
+    ConnectionError,
+    ssl.SSLError,
+    http.client.HTTPException,
+)
+
 
 def checked_base_url(base_url):
-    """`base_url` ending in a slash, or a DataError when it is no address to fetch
-    from (http, https or file)."""
+    """`base_url` ending in a slash, or a ValueError (a usage error) when it is no
+    address to fetch from (http, https or file)."""
     from urllib.parse import urlsplit
 
     try:
@@ -68,7 +89,7 @@ def checked_base_url(base_url):
         parts = None
     remote = parts is not None and parts.scheme in ("http", "https") and parts.netloc
     if not (remote or (parts is not None and parts.scheme == "file")):
-        raise DataError(
+        raise ValueError(
             f"{base_url!r} is not an address to download Multi30k from: give the "
             f"http://, https:// or file:// address of the folder that holds the six "
             f"files (the default is {MULTI30K_URL})."
@@ -76,21 +97,31 @@ def checked_base_url(base_url):
     return base_url if base_url.endswith("/") else base_url + "/"
 
 
-def _download_failure(name, base_url, error):
-    """The one-line DataError for a file that could not be downloaded."""
-    if isinstance(error, RuntimeError):  # torch.hub's message for a wrong digest
-        return DataError(
-            f"{name}: the file downloaded from {base_url} is not the published one "
-            f"(its SHA-256 differs: {error}): the download was cut short, or the "
-            f"file there changed; nothing was saved. Try again, or {ELSEWHERE}."
+def _download_failure(name, base_url, data_dir, timeout, error):
+    """The one-line DataError for `name`, which could not be fetched into
+    `data_dir`: what went wrong, from the error's kind."""
+    reason = getattr(error, "reason", None)
+    if isinstance(error, DigestMismatch):
+        what = (
+            f"the file downloaded from {base_url} is not the published one (its "
+            "SHA-256 differs): the download was cut short, or the file there changed"
         )
-    if hasattr(error, "code"):  # an HTTP error: the server answered, without the file
-        reason = f"HTTP {error.code}: {error.reason}"
-    else:  # no answer: the network, the name or the connection failed
-        reason = getattr(error, "reason", None) or str(error) or type(error).__name__
+    elif isinstance(error, urllib.error.HTTPError):
+        what = f"{base_url} answered HTTP {error.code} ({error.reason})"
+    elif isinstance(error, TimeoutError) or isinstance(reason, TimeoutError):
+        what = f"no answer from {base_url} within {timeout:g} s"
+    elif isinstance(error, NETWORK_ERRORS):
+        why = reason or str(error) or type(error).__name__
+        what = f"could not download it from {base_url} ({why})"
+    else:  # any other OSError: writing it (the folder, its permissions, the disk)
+        why = getattr(error, "strerror", None) or error
+        return DataError(
+            f"{name}: could not save it in {data_dir} ({why}); the files saved "
+            f"before it are kept. Free some space, or {ELSEWHERE}."
+        )
     return DataError(
-        f"{name}: could not download it from {base_url} ({reason}); nothing was "
-        f"saved. Check the connection, or {ELSEWHERE}."
+        f"{name}: {what}; nothing was saved. Check the connection and try again, "
+        f"or {ELSEWHERE}."
     )
 
 
@@ -105,23 +136,17 @@ def _cannot_hold(data_dir, error):
     )
 
 
-def download_multi30k(data_dir=None, *, base_url=MULTI30K_URL, quiet=False):
+def download_multi30k(data_dir=None, *, base_url=MULTI30K_URL, quiet=False, timeout=60):
     """Fetch and verify the six Multi30k files into `data_dir` (the book's default
-    folder when None); returns their paths. A file already there with the published
-    digest is kept (a read-only folder that holds them all is fine); any other is
-    downloaded again, through torch.hub's download, which checks the digest before
-    the file takes its name.
+    folder when None) with the book's fetch_multi30k; returns their paths. A file
+    already there with the published digest is kept (a read-only folder that holds
+    them all is fine); any other is downloaded again. `timeout`: seconds to wait
+    for each answer of the server.
 
-    Any failure is one DataError line that names the file; what was downloaded
-    halfway is removed, and so are the folders this call created if they hold
-    nothing (the files verified before the failure stay).
+    Any failure is one DataError line that names the file and says what went
+    wrong; nothing half-written is left, and the folders this call created are
+    removed again if they hold nothing (the files verified before the failure stay).
     """
-    import shutil
-    import socket
-    import tempfile
-
-    from torch.hub import download_url_to_file
-
     base_url = checked_base_url(base_url)
     data_dir = Path(data_dir) if data_dir is not None else tat.default_data_dir()
     created = [p for p in (data_dir, *data_dir.parents) if not p.exists()]
@@ -129,51 +154,32 @@ def download_multi30k(data_dir=None, *, base_url=MULTI30K_URL, quiet=False):
         data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise _cannot_hold(data_dir, error) from None
-    # Each file is fetched into a private folder beside the targets and moved into
-    # place once verified, so that no half-written file can be left among them,
-    # whatever fails (torch.hub removes its own temporary file on most failures,
-    # not all: a malformed address, say). A silent server ends the wait at last.
-    scratch, timeout = None, socket.getdefaulttimeout()
-    socket.setdefaulttimeout(60)
-    paths = []
+    paths = [data_dir / name for name in MULTI30K_SHA256]
+    before = {path.name: (path.is_file(), is_published(path)) for path in paths}
     try:
-        for name, expected in MULTI30K_SHA256.items():
-            target = data_dir / name
-            paths.append(target)
-            present = target.is_file()
-            if present and sha256_of(target) == expected:
-                if not quiet:
-                    print(f"{name}: present and verified")
-                continue
-            if scratch is None:
-                try:
-                    scratch = Path(tempfile.mkdtemp(prefix=".download-", dir=data_dir))
-                except OSError as error:
-                    raise _cannot_hold(data_dir, error) from None
-            try:
-                download_url_to_file(
-                    base_url + name, str(scratch / name), expected, progress=False
-                )
-            except (OSError, ValueError, RuntimeError, http.client.HTTPException) as e:
-                raise _download_failure(name, base_url, e) from None  # URLError too
-            (scratch / name).replace(target)
-            if not quiet:
-                again = " again (the copy here had another SHA-256)" if present else ""
-                print(f"{name}: downloaded{again} and verified")
-    except BaseException:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
+        tat.fetch_multi30k(data_dir, base_url, timeout=timeout)
+    except BaseException as error:
         for folder in created:  # deepest first; a folder that holds files stays
             try:
                 folder.rmdir()
             except OSError:
                 break
-        raise
-    finally:
-        socket.setdefaulttimeout(timeout)
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
+        if not isinstance(error, (DigestMismatch, OSError, *NETWORK_ERRORS)):
+            raise  # Ctrl-C, or a bug: as it is
+        # The files are fetched in order: the first one not there is the one.
+        name = next((p.name for p in paths if not is_published(p)), paths[0].name)
+        raise _download_failure(name, base_url, data_dir, timeout, error) from None
     if not quiet:
+        for name, (present, published) in before.items():
+            if published:
+                print(f"{name}: present and verified")
+            elif present:
+                print(
+                    f"{name}: downloaded again (the copy here had another SHA-256) "
+                    "and verified"
+                )
+            else:
+                print(f"{name}: downloaded and verified")
         print(f"Multi30k is in {data_dir}")
     return paths
 

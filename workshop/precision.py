@@ -42,11 +42,14 @@ def bf16_matmul_speedup(device="cpu", tokens=512, d_model=256, repeats=2):
 def bf16_pays(device):
     """(whether bfloat16 autocast pays on `device`, the reason in words). A GPU says
     whether it has bfloat16 hardware; on a CPU one matrix product is timed (a GPU's
-    would time its launch, a few microseconds, not its arithmetic)."""
+    would time its launch, a few microseconds, not its arithmetic); MPS trains in
+    float32."""
     device = torch.device(device)
     if device.type == "cuda":
         has = torch.cuda.is_bf16_supported()
         return has, f"this GPU {'has' if has else 'lacks'} bfloat16 hardware"
+    if device.type == "mps":  # the project trains there in float32 alone
+        return False, "runs on Apple's MPS train in float32"
     speedup = bf16_matmul_speedup(device)
     return speedup >= 1.0, (
         f"bfloat16 matrix products run at {speedup:.2f}x the float32 speed on this "

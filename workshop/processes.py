@@ -54,9 +54,10 @@ class GroupSyncDDP(DistributedDataParallel):
 
     The micro-batches of one group (every accum_iter batches, and the epoch's last,
     partial one) add up their gradients, and only the one that ends the group needs
-    the exchange: before each forward pass in training mode this sets DDP's public
-    `require_backward_grad_sync` (what DDP's no_sync() sets), False unless that
-    micro-batch ends its group. Call plan_epoch before each epoch; without a plan
+    the exchange: the forward pass of every other micro-batch in training mode runs
+    inside DDP's no_sync() (its backward pass, which run_epoch starts after the
+    forward pass returns, then keeps its gradients to itself, as no_sync's
+    documentation describes). Call plan_epoch before each epoch; without a plan
     every micro-batch exchanges, as in plain DDP.
     """
 
@@ -73,7 +74,9 @@ class GroupSyncDDP(DistributedDataParallel):
         if self.training and self.n_batches is not None:
             self.seen += 1
             last = self.seen >= self.n_batches  # the epoch's last group may be short
-            self.require_backward_grad_sync = self.seen % self.accum_iter == 0 or last
+            if not (self.seen % self.accum_iter == 0 or last):
+                with self.no_sync():
+                    return super().forward(*args, **kwargs)
         return super().forward(*args, **kwargs)
 
 
@@ -131,14 +134,22 @@ def epoch_seed(seed, epoch, rank=0):
 
 
 def parse_device(text):
-    """`text` ("cpu", "cuda", "cuda:1") as a device this machine has; a ValueError
-    that says what is wrong otherwise."""
+    """`text` ("cpu", "cuda", "cuda:1", "mps") as a device this machine has; a
+    ValueError that says what is wrong otherwise. MPS (Apple silicon's GPU) trains
+    and translates in float32."""
     try:
         device = torch.device(text)
     except RuntimeError:  # not a device torch knows
         device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{text!r} is not cpu, cuda or cuda:N")
+    if device is None or device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"{text!r} is not cpu, cuda, cuda:N or mps")
+    if device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(
+                "MPS (the GPU of Apple silicon, macOS 12.3 or later) is not "
+                "available on this machine; use --device cpu"
+            )
+        return torch.device("mps")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device.type == "cuda" and count == 0:
         raise ValueError("CUDA is not available on this machine; use --device cpu")
@@ -170,6 +181,11 @@ def check_nprocs(nprocs, device=None):
     """Refuse more processes than the GPUs of a run on GPUs (the default where there
     are any) or the cores of a run on the CPU."""
     check_positive_int(nprocs=nprocs)
+    if device_for(0, device).type == "mps" and nprocs > 1:
+        raise ValueError(
+            f"--nprocs {nprocs}: several processes need CPU cores or CUDA GPUs; on "
+            "MPS a run trains in one process (or use --device cpu)."
+        )
     if device_for(0, device).type == "cuda":
         have, what, instead = torch.cuda.device_count(), "GPUs", " (or --device cpu)"
     else:

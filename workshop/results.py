@@ -4,29 +4,30 @@ the validation split, score the test set, and write results/<profile>.{json,md}.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+import the_annotated_transformer as tat
 from the_annotated_transformer import (
     check_positive_int,
     count_parameters,
-    default_device,
     load_altair,
     load_tokenizers,
     tokenize,
 )
 from workshop.checkpoints import average_checkpoints, load_checkpoint
+from workshop.errors import DataError
 from workshop.figures import save_png
 from workshop.files import atomic_write_text
-from workshop.multi30k import DataError, read_split
+from workshop.multi30k import read_split
+from workshop.provenance import describe_machine, source_commit
 from workshop.run_folders import epoch_files, refuse_existing_run
+from workshop.run_lock import hold_run_folder
 from workshop.settings import RunConfig
 from workshop.training import train_model
 from workshop.translation import decode_options, load_translator
@@ -53,11 +54,13 @@ def evaluate(
     quiet=False,
     alpha=0.6,
     limit=None,
+    device=None,
 ):
     """Translate a split's German side and score it with sacreBLEU; returns a dict.
 
     `alpha` is beam search's length-penalty exponent (unused by greedy decoding);
-    `limit` scores only the split's first sentences (for quick checks).
+    `limit` scores only the split's first sentences (for quick checks); `device`
+    is where a checkpoint's model translates (default: the book's default_device).
     """
     import sacrebleu
 
@@ -67,7 +70,7 @@ def evaluate(
         raise DataError(f"split {split!r} in {data_dir} is empty: nothing to score.")
     translator = translator_or_checkpoint
     if isinstance(translator, str | os.PathLike):
-        translator = load_translator(translator)
+        translator = load_translator(translator, device)
     sources = [de for de, _ in pairs]
     references = [en for _, en in pairs]
     start = time.perf_counter()
@@ -132,18 +135,24 @@ RESULTS_HEADER = (
 )
 
 
-def describe_machine(device=None):
-    """A short description of the device that trains: the GPU, or the CPU and cores."""
-    device = torch.device(device or default_device())
-    if device.type == "cuda":
-        return f"GPU: {torch.cuda.get_device_name(device)}"
-    name = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    return f"CPU: {name}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+# The folders of the checkout that hold the committed results: a run scored on a
+# few sentences (reproduce's `limit`) may not write into them.
+CHECKOUT = Path(tat.__file__).resolve().parent
+COMMITTED = (CHECKOUT / "results", CHECKOUT / "images")
+
+
+def refuse_committed_folders(limit, *folders):
+    """A ValueError if `limit` is set and a folder is the checkout's results/ or
+    images/: a score on a few sentences is no result to keep there."""
+    if limit is None:
+        return
+    for folder in folders:
+        if folder is not None and Path(folder).resolve() in COMMITTED:
+            raise ValueError(
+                f"reproduce: limit={limit} scores only {limit} sentences of each "
+                f"split, which is no result to write into {folder}, the checkout's "
+                "committed results: name another folder (--results DIR, --images DIR)."
+            )
 
 
 def reproduce(
@@ -160,6 +169,7 @@ def reproduce(
     quiet=False,
     limit=None,
     overrides=None,
+    device=None,
 ):
     """Train `profile`, average, choose on validation, score the test set; returns
     the record that `results_dir`/<profile>.json holds (None: write no files).
@@ -168,7 +178,8 @@ def reproduce(
     `windows`, whichever translates the validation split best (greedy BLEU); then
     every beam size in `beam_sizes` with every α in `alphas` is tried there too.
     `overrides` (a dict) changes fields of the profile; `limit` scores only the first
-    sentences of each split (for quick checks).
+    sentences of each split (for quick checks: refused into the checkout's results/
+    and images/, and recorded); `device` is where it trains and translates.
     """
     for k in windows:
         check_positive_int(window=k)
@@ -178,7 +189,8 @@ def reproduce(
         check_positive_int(limit=limit)
     if not alphas or not beam_sizes:
         raise ValueError("reproduce: give at least one beam size and one alpha.")
-    say = (lambda *args: None) if quiet else print
+    if results_dir is not None:  # else nothing is written, images neither
+        refuse_committed_folders(limit, results_dir, images_dir)
     out_dir = Path(out_dir)
     start = time.perf_counter()
     if train:
@@ -188,12 +200,39 @@ def reproduce(
             "report on it with --no-train, or give another --out (or delete the "
             "folder) to train anew.",
         )
-        train_model(config, data_dir, out_dir, quiet=quiet)
+        train_model(config, data_dir, out_dir, quiet=quiet, device=device)
     wall = time.perf_counter() - start
     if not (out_dir / "last.pt").is_file():
         raise FileNotFoundError(
             f"{out_dir} holds no trained run (no last.pt): train first (train=True)."
         )
+    with hold_run_folder(out_dir):  # its averages are written beside its epochs
+        record = _report(
+            profile,
+            data_dir,
+            out_dir,
+            windows,
+            beam_sizes,
+            alphas,
+            quiet,
+            limit,
+            device,
+        )
+    record["train_seconds"] = wall if train else record["train_seconds"]
+    record["train_seconds_measured"] = "wall clock" if train else "sum of epochs"
+    if results_dir is not None:  # written before anything more is printed
+        _write_results(record, Path(results_dir), images_dir)
+    if not quiet:
+        print(RESULTS_HEADER + "\n" + results_row(record))
+    return record
+
+
+def _report(
+    profile, data_dir, out_dir, windows, beam_sizes, alphas, quiet, limit, device
+):
+    """reproduce's report on the run in `out_dir`: average, choose on validation,
+    score the test set; returns the record."""
+    say = (lambda *args: None) if quiet else print
     run = load_checkpoint(out_dir / "last.pt")  # holds the losses of every epoch
     history = run["history"]
     # This run's epoch files, up to its last epoch, in epoch order.
@@ -218,7 +257,7 @@ def reproduce(
         candidates[f"average of the last {k}"] = path
     validation, chosen, translator = {}, None, None
     for name, path in candidates.items():
-        candidate = load_translator(path)
+        candidate = load_translator(path, device)
         score = evaluate(candidate, data_dir, "val", quiet=True, limit=limit)["bleu"]
         validation[name] = score
         say(f"validation BLEU, greedy, {name}: {score:.2f}")
@@ -245,13 +284,20 @@ def reproduce(
         translator, data_dir, test, beam_size, quiet=quiet, alpha=alpha, limit=limit
     )
     pairs = read_split(data_dir, test)[:5]
+    trained = run.get("provenance") or [{}]  # what the run recorded, if it did
     record = {
         "profile": profile,
         "config": run["config"],
         "parameters": count_parameters(translator.model),
-        "machine": describe_machine(),
-        "train_seconds": wall if train else sum(r["seconds"] for r in history),
-        "train_seconds_measured": "wall clock" if train else "sum of epochs",
+        "machine": trained[-1].get("machine") or describe_machine(device),
+        # The precision the run trained in (config's bf16 only asked for it).
+        "precision": run.get("precision"),
+        "training": trained if run.get("provenance") else None,
+        "torch": str(torch.__version__),  # of the scoring; the training's: `training`
+        **(source_commit() or {"commit": None, "uncommitted_changes": None}),
+        "limit": limit,  # None: every sentence of each split was scored
+        "train_seconds": sum(r["seconds"] for r in history),
+        "train_seconds_measured": "sum of epochs",
         "epochs": len(history),
         "epochs_planned": run["config"]["epochs"],
         "training_flops": sum(r.get("training_flops", 0.0) for r in history),
@@ -275,9 +321,6 @@ def reproduce(
             )
         ],
     }
-    if results_dir is not None:  # written before anything more is printed
-        _write_results(record, Path(results_dir), images_dir)
-    say(RESULTS_HEADER + "\n" + results_row(record))
     return record
 
 
@@ -292,12 +335,37 @@ def results_row(record):
     epochs = f"{record['epochs']} epochs"
     if record.get("stopped_by_time_limit"):
         epochs = f"{record['epochs']} of {record['epochs_planned']} epochs (time limit)"
+    if record.get("precision"):
+        epochs += f" in {record['precision']}"
+    scored = ""
+    if record.get("limit"):  # a quick check, not a result
+        scored = f" (first {record['limit']} sentences only)"
     return (
         f"| `{record['profile']}` | {record['parameters'] / 1e6:.1f} M "
         f"| {minutes:.0f} min, {epochs} | {record['machine']} "
-        f"| {record['val_ppl']:.2f} | {greedy['bleu']:.2f} "
-        f"| {beam['bleu']:.2f} (beam {beam['beam_size']}, α {record['alpha']:g}) |"
+        f"| {record['val_ppl']:.2f} | {greedy['bleu']:.2f}{scored} "
+        f"| {beam['bleu']:.2f} (beam {beam['beam_size']}, α {record['alpha']:g})"
+        f"{scored} |"
     )
+
+
+def provenance_line(record):
+    """Where the numbers come from: the commit, torch, and a limit if there was one."""
+    commit = record.get("commit")
+    source = "outside a git checkout" if commit is None else f"commit `{commit[:12]}`"
+    if record.get("uncommitted_changes"):
+        source += " with uncommitted changes"
+    line = f"Scored from {source} with torch {record['torch']}."
+    trained = record.get("training") or []
+    versions = sorted({part["torch"] for part in trained})
+    if versions:
+        line += f" Trained with torch {', '.join(versions)}."
+    if record.get("limit"):
+        line += (
+            f" **Only the first {record['limit']} sentences of each split were "
+            "scored**: these are not results to compare."
+        )
+    return line
 
 
 def results_markdown(record):
@@ -313,6 +381,8 @@ def results_markdown(record):
         f"signature: `{greedy['signature']}`. Lowercased BLEU on spaCy tokens: "
         f"{greedy['bleu_lowercase_spacy']:.2f} greedy, "
         f"{beam['bleu_lowercase_spacy']:.2f} beam.",
+        "",
+        provenance_line(record),
         "",
         _speed_line(record["history"]),
         "",

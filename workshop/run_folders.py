@@ -1,19 +1,36 @@
 """A training run's folder: epoch_NNN.pt for each of the newest epochs, last.pt
 (what resuming needs) and the vocabularies. A new run never writes into a folder
-that holds one; a resumed run continues with its own settings."""
+that holds one; a resumed run continues with its own settings. (One process at a
+time writes into a folder: workshop.run_lock.)"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from workshop.checkpoints import (
+    checkpoint_size,
     load_checkpoint,
     save_checkpoint,
     save_vocab,
     without_positional_tables,
 )
-from workshop.multi30k import DataError
-from workshop.settings import RunConfig
+from workshop.errors import DataError
+from workshop.files import DiskFullError, megabytes
+from workshop.settings import RESUMABLE, RunConfig
+
+# What last.pt must hold for a run to continue from it: an epoch checkpoint's
+# entries, and the optimizer, the schedule and the loop's counters.
+RESUME_KEYS = (
+    "model",
+    "config",
+    "epoch",
+    "vocab_src",
+    "vocab_tgt",
+    "optimizer",
+    "scheduler",
+    "train_state",
+    "history",
+)
 
 
 def epoch_files(out_dir):
@@ -42,24 +59,48 @@ class RunExistsError(ValueError):
     """A new run would write into the folder of an earlier one."""
 
 
-def resume_config(out_dir, **changes):
-    """The settings of the run in `out_dir`, with more `epochs` if asked for.
-
-    Any other change is refused: a resumed run continues the run it resumes.
-    """
+def last_checkpoint(out_dir):
+    """The path of the run's last.pt, or a FileNotFoundError that says what to do."""
     path = Path(out_dir) / "last.pt"
     if not path.is_file():
         raise FileNotFoundError(
             f"--resume: there is no {path} to continue from. Train without --resume "
             "first, or point --out at an earlier run."
         )
-    checkpoint = load_checkpoint(path)
-    if not isinstance(checkpoint, dict) or "config" not in checkpoint:
+    return path
+
+
+def check_resumable(checkpoint, path):
+    """Raise a DataError that names what a loaded last.pt lacks to be resumed."""
+    is_dict = isinstance(checkpoint, dict)
+    missing = [k for k in RESUME_KEYS if not is_dict or k not in checkpoint]
+    if missing:
         raise DataError(
-            f"{path} holds no training settings: it is not a run's last.pt."
+            f"{path} cannot be resumed: it lacks {', '.join(missing)} (a file written "
+            "by `average`, or an epoch_NNN.pt copied over it, holds weights only). "
+            "Put back the run's own last.pt, or train anew into another --out."
         )
-    run = RunConfig.from_dict(checkpoint["config"]).to_dict()
-    changed = {k: v for k, v in changes.items() if k != "epochs" and run.get(k) != v}
+
+
+def resume_config(out_dir, **changes):
+    """The settings of the run in `out_dir`, with the changes a resumed run may
+    make (settings.RESUMABLE): more `epochs`, and another `time_limit` for this
+    invocation. Any other change is refused: a resumed run continues the run it
+    resumes. So is a resume that would train nothing: the run has finished its
+    epochs, or its time limit is shorter than one of its epochs.
+    """
+    path = last_checkpoint(out_dir)
+    checkpoint = load_checkpoint(path)
+    check_resumable(checkpoint, path)
+    try:
+        run = RunConfig.from_dict(checkpoint["config"]).to_dict()
+    except (ValueError, TypeError) as error:  # a file's problem, not the options'
+        raise DataError(
+            f"{path} holds settings this code cannot use: {error}"
+        ) from None
+    changed = {
+        k: v for k, v in changes.items() if k not in RESUMABLE and run.get(k) != v
+    }
     if changed:
         listed = ", ".join(
             f"{k}={v!r} (the run has {run.get(k)!r})" for k, v in changed.items()
@@ -68,33 +109,53 @@ def resume_config(out_dir, **changes):
             f"--resume continues {out_dir} with its own settings, and these differ: "
             f"{listed}. Drop those options, or start a new run with another --out."
         )
-    done = checkpoint.get("epoch", -1) + 1
-    epochs = changes.get("epochs", run["epochs"])
-    if epochs <= done:
+    config = RunConfig.from_dict(
+        {**run, **{k: changes[k] for k in RESUMABLE if k in changes}}
+    )
+    done = checkpoint["epoch"] + 1
+    if config.epochs <= done:
         raise ValueError(
             f"--resume: {out_dir} has finished its {done} epochs; pass --epochs N "
             f"with N above {done} to train it further."
         )
-    return RunConfig.from_dict({**run, "epochs": epochs})
+    history = checkpoint["history"]
+    epoch_minutes = history[-1]["seconds"] / 60 if history else 0.0
+    if config.time_limit is not None and epoch_minutes > config.time_limit:
+        raise ValueError(
+            f"--resume: an epoch of {out_dir} takes {epoch_minutes:.1f} minutes, "
+            f"more than the time limit of {config.time_limit:g}, so this would train "
+            "nothing. The limit guards one invocation: pass --time-limit MINUTES "
+            f"above {epoch_minutes:.1f} to go on."
+        )
+    return config
 
 
-def save_epoch(out_dir, config, data, module, epoch, progress):
+def save_epoch(out_dir, config, data, module, epoch, progress, record=None):
     """Write a finished epoch into the run's folder: epoch_NNN.pt (the model, its
-    settings and vocabularies), last.pt (that and `progress`, what resuming needs),
-    the vocabulary files, and drop all but the newest keep_checkpoints epochs.
-    Returns what last.pt holds."""
+    settings and vocabularies, and `record`: what the run did, workshop.provenance),
+    last.pt (that and `progress`, what resuming needs), the vocabulary files, and
+    drop all but the newest keep_checkpoints epochs. Returns what last.pt holds.
+
+    On a full disk: a DiskFullError that says how much the checkpoints need, how
+    much is free, and which checkpoint is still whole (the atomic writes leave the
+    previous last.pt as it was).
+    """
     checkpoint = {
         "model": without_positional_tables(module.state_dict()),
         "config": config.to_dict(),
         "epoch": epoch,
         "vocab_src": data.vocab_src.get_itos(),
         "vocab_tgt": data.vocab_tgt.get_itos(),
+        **(record or {}),
     }
     if config.vocab == "bpe":
         checkpoint["bpe"] = data.vocab_src.tokenizer.to_str()
-    save_checkpoint(out_dir / f"epoch_{epoch + 1:03d}.pt", checkpoint)
     last = checkpoint | progress
-    save_checkpoint(out_dir / "last.pt", last)
+    try:
+        save_checkpoint(out_dir / f"epoch_{epoch + 1:03d}.pt", checkpoint)
+        save_checkpoint(out_dir / "last.pt", last)
+    except DiskFullError as full:
+        raise checkpoints_do_not_fit(out_dir, epoch, checkpoint, last, full) from full
     if config.vocab == "bpe":
         save_vocab(data.vocab_src, out_dir / "bpe.json")
     else:
@@ -103,3 +164,26 @@ def save_epoch(out_dir, config, data, module, epoch, progress):
     for path in epoch_files(out_dir)[: -config.keep_checkpoints]:
         path.unlink()
     return last
+
+
+def checkpoints_do_not_fit(out_dir, epoch, checkpoint, last, full):
+    """The DiskFullError of epoch `epoch` (0-based), whose checkpoints (`checkpoint`,
+    `last`) found no room: where, what they need, what is free, what is intact."""
+    sizes = checkpoint_size(checkpoint), checkpoint_size(last)
+    name = f"epoch_{epoch + 1:03d}.pt"
+    if epoch == 0:
+        intact = "no last.pt was written yet: free some space, then train again"
+    else:
+        intact = (
+            f"{out_dir / 'last.pt'} still holds epoch {epoch}, intact: free some "
+            "space, then continue from it with --resume"
+        )
+    free = "" if full.free is None else f", {megabytes(full.free)} free there"
+    return DiskFullError(
+        f"the disk of {out_dir} is full (writing {Path(full.path).name} stopped"
+        f"{free}): epoch {epoch + 1}'s checkpoints need {megabytes(sizes[0])} for "
+        f"{name} and {megabytes(sizes[1])} for last.pt. {intact}.",
+        full.path,
+        full.written,
+        full.free,
+    )

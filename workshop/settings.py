@@ -22,7 +22,9 @@ class RunConfig(tat.TrainConfig):
     bf16: bool = False
     keep_checkpoints: int = 5
     log_every: int = 50
-    time_limit: float | None = None  # minutes: start no epoch that would end later
+    # Minutes: start no epoch that would end later. It guards one invocation (a
+    # resumed run counts from its own start, and may set another), not the model.
+    time_limit: float | None = None
     vocab: str = "word"  # "word" (spaCy words) or "bpe" (joint subwords, Part 4)
     bpe_vocab_size: int = 8000
     share_embeddings: bool = False  # one matrix for both embeddings (needs "bpe")
@@ -137,6 +139,11 @@ class RunConfig(tat.TrainConfig):
                 "set vocab='bpe' (a joint subword vocabulary), or leave "
                 "share_embeddings off."
             )
+
+
+# The settings a resumed run may change: more epochs, and the time limit of the new
+# invocation. Checkpoints of one run may differ in these alone.
+RESUMABLE = ("epochs", "time_limit")
 
 
 TRAIN_PROFILES = {

@@ -3,12 +3,15 @@
 A run trains the book's model with workshop.fast's CPU speed tricks, in bfloat16
 where it pays (workshop.precision), in one process or several
 (workshop.processes), and writes a checkpoint every epoch into its folder
-(workshop.run_folders), stopping before its time limit would pass. train_model is
-the entry; a Job is what one process of a run needs to know.
+(workshop.run_folders), which it holds for itself while it runs
+(workshop.run_lock), stopping before its time limit would pass. Its checkpoints
+record what it did (workshop.provenance). train_model is the entry; a Job is what
+one process of a run needs to know.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -36,6 +39,7 @@ from workshop.checkpoints import (
     save_checkpoint,
     vocabs_from_checkpoint,
 )
+from workshop.errors import DataError
 from workshop.flops import epochs_for_budget, training_flops
 from workshop.precision import (
     Autocast,
@@ -53,7 +57,15 @@ from workshop.processes import (
     epoch_seed,
     spawn,
 )
-from workshop.run_folders import refuse_existing_run, resume_config, save_epoch
+from workshop.provenance import PRECISIONS, invocation, precision_name
+from workshop.run_folders import (
+    check_resumable,
+    last_checkpoint,
+    refuse_existing_run,
+    resume_config,
+    save_epoch,
+)
+from workshop.run_lock import hold_run_folder, refuse_if_held
 from workshop.settings import RunConfig
 
 
@@ -77,12 +89,6 @@ def build_vocabs(config, data_dir):
     return tat.build_vocabulary(train, spacy_de, spacy_en, config.min_freq)
 
 
-def run_vocabs(config, data_dir, vocabs=None):
-    """check_run_data, then `vocabs`, else the run's vocabularies (build_vocabs)."""
-    check_run_data(config, data_dir)
-    return build_vocabs(config, data_dir) if vocabs is None else vocabs
-
-
 @dataclass
 class RunData(tat.TranslationData):
     """The book's TranslationData, and how many pairs of each split were cut."""
@@ -90,11 +96,13 @@ class RunData(tat.TranslationData):
     cut: dict | None = None  # split name -> pairs longer than max_len ids
 
 
-def prepare_run_data(config, data_dir, vocabs=None):
+def prepare_run_data(config, data_dir, vocabs=None, check=True):
     """The book's prepare_data for a run: the files checked against their published
-    digests first, one joint subword vocabulary learned when vocab is "bpe", and
-    each pair cut to max_len ids (its </s> kept), counting the pairs cut."""
-    check_run_data(config, data_dir)
+    digests first (check=False: the caller did), one joint subword vocabulary learned
+    when vocab is "bpe", and each pair cut to max_len ids (its </s> kept), counting
+    the pairs cut."""
+    if check:
+        check_run_data(config, data_dir)
     if vocabs is None and config.vocab == "bpe":
         vocabs = build_vocabs(config, data_dir)
     whole = prepare_data(
@@ -137,8 +145,8 @@ def models_for_run(module, amp_dtype=None, distributed=False, device=None):
         device = torch.device(device or next(module.parameters()).device)
         ids = [device.index] if device.type == "cuda" else None
         # The only buffers are the positional-encoding tables, which never change:
-        # nothing to broadcast before each forward pass.
-        trained = GroupSyncDDP(evaluated, device_ids=ids, broadcast_buffers=False)
+        # nothing to send before each forward pass (DDP still checks them at start).
+        trained = GroupSyncDDP(evaluated, device_ids=ids, forward_sync_buffers=False)
     return trained, evaluated
 
 
@@ -194,9 +202,11 @@ def train_worker(rank, world_size, job):
             torch.distributed.destroy_process_group()
 
 
-def restore(checkpoint, module, optimizer, scheduler):
+def restore(checkpoint, module, optimizer, scheduler, path="last.pt"):
     """Load a run's last.pt into its model, optimizer and schedule; returns the
-    (TrainState, first epoch to train, history, seconds spent) it holds."""
+    (TrainState, first epoch to train, history, seconds spent) it holds. A DataError
+    names what `checkpoint` lacks to be resumed, before anything is loaded."""
+    check_resumable(checkpoint, path)
     load_weights(module, checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     scheduler.load_state_dict(checkpoint["scheduler"])
@@ -216,7 +226,7 @@ def train(job):
     checkpoint = load_checkpoint(job.out_dir / "last.pt") if job.resume else None
     vocabs = job.vocabs if checkpoint is None else vocabs_from_checkpoint(checkpoint)
     say(f"reading and tokenizing Multi30k from {job.data_dir} ...")
-    data = prepare_run_data(config, job.data_dir, vocabs)
+    data = prepare_run_data(config, job.data_dir, vocabs, check=False)
     say(
         f"vocabularies: {len(data.vocab_src)} German, {len(data.vocab_tgt)} English "
         f"tokens; {len(data.splits['train'])} training pairs; device {device}"
@@ -264,15 +274,24 @@ def train(job):
     )
     train_state, start_epoch, history, spent = TrainState(), 0, [], 0.0
     if checkpoint is not None:
-        progress = restore(checkpoint, module, optimizer, scheduler)
+        progress = restore(
+            checkpoint, module, optimizer, scheduler, job.out_dir / "last.pt"
+        )
         train_state, start_epoch, history, spent = progress
         say(
             f"resuming {job.out_dir / 'last.pt'} (profile {config.profile}): "
             f"{start_epoch} of {config.epochs} epochs done, {spent / 60:.1f} min spent"
         )
     say(f"model: {count_parameters(module):,} parameters")
-    amp = amp_dtype_for(config.bf16, device, say, job.distributed)
+    amp = run_precision(checkpoint, config, device, say, job.distributed)
     use_tf32(device, say)
+    did = None  # what the run did, for its checkpoints (written by rank 0)
+    if job.rank == 0:
+        earlier = [] if checkpoint is None else checkpoint.get("provenance", [])
+        did = {
+            "precision": precision_name(amp),
+            "provenance": [*earlier, invocation(device, start_epoch + 1)],
+        }
     model, evaluated = models_for_run(module, amp, job.distributed, device)
     criterion = fast.LabelSmoothing(len(data.vocab_tgt), PAD, config.label_smoothing)
     loss_compute = loss_compute_for_run(
@@ -281,8 +300,8 @@ def train(job):
     val_sampler = TokenBudgetBatchSampler(
         data.lengths("val"), config.max_tokens, shuffle=False
     )
-    began = time.perf_counter() - spent  # the run's clock, resumed runs included
-    epoch_seconds = history[-1]["seconds"] if history else 0.0
+    began = time.perf_counter()  # this invocation's clock, which the time limit reads
+    epoch_seconds = 0.0  # none yet: the first epoch of an invocation always starts
     last = checkpoint  # what last.pt holds: marked if the time limit stops the run
     for epoch in range(start_epoch, config.epochs):
         if out_of_time(job, began, epoch_seconds):
@@ -290,7 +309,10 @@ def train(job):
                 f"time limit: {config.time_limit:g} minutes would pass during epoch "
                 f"{epoch + 1}; stopped after {epoch} of the {config.epochs} epochs."
             )
-            say(f"{stop} This run is shorter than its profile's budget.")
+            say(
+                f"{stop} Continue with `train --resume --out {job.out_dir}`: the "
+                "limit guards one invocation (--time-limit MINUTES sets another)."
+            )
             if job.rank == 0 and last is not None:
                 save_checkpoint(job.out_dir / "last.pt", last | {"stopped": stop})
             break
@@ -328,9 +350,9 @@ def train(job):
                 "scheduler": scheduler.state_dict(),
                 "train_state": asdict(train_state),
                 "history": history,
-                "elapsed": time.perf_counter() - began,  # the time limit's clock
+                "elapsed": spent + time.perf_counter() - began,  # every invocation's
             }
-            last = save_epoch(job.out_dir, config, data, module, epoch, progress)
+            last = save_epoch(job.out_dir, config, data, module, epoch, progress, did)
         epoch_seconds = time.perf_counter() - epoch_began
     return history
 
@@ -353,10 +375,28 @@ def epoch_record(epoch, train_loss, val_nll, seconds, tokens, say):
     return record
 
 
+def run_precision(checkpoint, config, device, say, distributed=False):
+    """The run's autocast dtype (None: float32): for a new run, what config.bf16
+    asks for where it pays (precision.amp_dtype_for); a resumed run keeps the
+    precision its last.pt records, and never switches mid-run."""
+    recorded = None if checkpoint is None else checkpoint.get("precision")
+    if recorded is None:  # a new run (or one saved before runs recorded it)
+        return amp_dtype_for(config.bf16, device, say, distributed)
+    if recorded not in PRECISIONS:
+        raise DataError(
+            f"last.pt records the precision {recorded!r}, which this code does not "
+            f"know (it knows {', '.join(PRECISIONS)})."
+        )
+    say(f"precision: {recorded}, as this run began (resumed runs keep it)")
+    return PRECISIONS[recorded]
+
+
 def out_of_time(job, began, epoch_seconds):
     """Would one more epoch, as long as the last, end after the time limit?
 
-    The first epoch of a run always starts. Under DDP every process must agree, so
+    The time limit guards one invocation: `began` is when this one started, and
+    its first epoch always starts (epoch_seconds 0; resume_config refuses a resume
+    whose epochs are longer than the limit). Under DDP every process must agree, so
     the slowest one's answer counts.
     """
     if job.config.time_limit is None or epoch_seconds == 0:
@@ -370,39 +410,70 @@ def out_of_time(job, began, epoch_seconds):
 
 
 def train_model(
-    config, data_dir, out_dir, *, resume=False, nprocs=1, quiet=False, device=None
+    config,
+    data_dir,
+    out_dir,
+    *,
+    resume=False,
+    nprocs=1,
+    quiet=False,
+    device=None,
+    changes=None,
 ):
     """Train on Multi30k in this process, under torchrun, or in `nprocs` processes.
 
     A new run needs a folder that holds no run; `resume=True` continues the run in
-    `out_dir` (config None: its own settings; otherwise only `epochs` may differ).
-    `device` ("cpu", "cuda", "cuda:1") defaults to the GPUs where there are any;
-    several processes on "cuda" take one GPU each.
+    `out_dir` (config None: its own settings, with `changes`, a dict, applied where
+    settings.RESUMABLE allows; a RunConfig: it may differ in those alone).
+    `device` ("cpu", "cuda", "cuda:1", "mps") defaults to the GPUs where there are
+    any; several processes on "cuda" take one GPU each.
+
+    Everything is checked before anything is written, the folder made or held:
+    the settings, the data, and the folder (no other run in it, or, resuming, a
+    last.pt that can be resumed). Then the run holds the folder for itself
+    (workshop.run_lock) until it ends.
     """
-    out_dir = Path(out_dir)
+    out_dir, data_dir = Path(out_dir), Path(data_dir)
     check_nprocs(nprocs, device)
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    writes = not torchrun or int(os.environ["RANK"]) == 0  # the others only read
+    advice = "continue it with --resume, or give another --out for a new run."
+    if writes:
+        refuse_if_held(out_dir)  # said first: whatever the folder holds may change
     if resume:
-        changes = {} if config is None else config.to_dict()
-        config = resume_config(out_dir, **changes)
+        changes = config.to_dict() if config is not None else (changes or {})
+        last_checkpoint(out_dir)  # there is one to resume, or say so
     else:
         config.validate()
-        refuse_existing_run(
-            out_dir, "continue it with --resume, or give another --out for a new run."
-        )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    job = Job(config, Path(data_dir), out_dir, resume, quiet, device=device)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+        refuse_existing_run(out_dir, advice)
+        check_run_data(config, data_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+    with hold_run_folder(out_dir) if writes else contextlib.nullcontext():
+        if resume:  # read under the lock: last.pt as no other run will change it
+            config = resume_config(out_dir, **changes)
+            check_run_data(config, data_dir)
+        else:
+            refuse_existing_run(out_dir, advice)  # one begun since the check above
+        job = Job(config, data_dir, out_dir, resume, quiet, device=device)
+        return _train_processes(job, nprocs, torchrun)
+
+
+def _train_processes(job, nprocs, torchrun):
+    """Run `job` in this process (alone, or as one of torchrun's), or spawn
+    `nprocs` processes for it; returns the history."""
+    device = job.device
+    if torchrun:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local = device_for(int(os.environ.get("LOCAL_RANK", rank)), device)
         return train_worker(rank, world, replace(job, device=local))
     if nprocs == 1:
         return train_worker(0, 1, job)
-    # Check the data and build the vocabularies here, once: a bad folder is one line
-    # from this process, and every rank gets the same vocabularies.
+    # Build the vocabularies here, once (the data was checked): every rank gets the
+    # same ones.
     vocabs = None
-    if resume:
-        vocabs = vocabs_from_checkpoint(load_checkpoint(out_dir / "last.pt"))
-    job.say(f"checking Multi30k in {data_dir} and building the vocabularies ...")
-    job = replace(job, vocabs=run_vocabs(config, data_dir, vocabs))
+    if job.resume:
+        vocabs = vocabs_from_checkpoint(load_checkpoint(job.out_dir / "last.pt"))
+    job.say(f"building the vocabularies from {job.data_dir} ...")
+    job = replace(job, vocabs=vocabs or build_vocabs(job.config, job.data_dir))
     spawn(train_worker, nprocs, job, on_cpu=device_for(0, device).type == "cpu")
-    return load_checkpoint(out_dir / "last.pt")["history"]
+    return load_checkpoint(job.out_dir / "last.pt")["history"]
