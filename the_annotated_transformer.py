@@ -272,11 +272,11 @@ def check_masks(**masks):
 class EncoderDecoder(nn.Module):
     """An encoder, a decoder, their two embeddings and the output generator.
 
-    forward(src, tgt, src_mask, tgt_mask) -> (batch, tgt_len, d_model): src (batch,
-    src_len) and tgt (batch, tgt_len) are integer token ids; src_mask is (batch or 1,
-    1, src_len), tgt_mask (batch or 1, tgt_len or 1, tgt_len), any dtype, 1 or True
-    where a query may attend (Batch builds both). The generator turns the output
-    into log-probabilities over the target vocabulary.
+    forward(src, tgt, src_mask, tgt_mask) -> (batch, tgt_len, d_model), for integer
+    token ids src (batch, src_len) and tgt (batch, tgt_len); src_mask is (batch or
+    1, 1, src_len), tgt_mask (batch or 1, tgt_len or 1, tgt_len), of any dtype, 1 or
+    True where a query may attend (Batch builds both). The generator turns the
+    output into log-probabilities over the target vocabulary.
     """
 
     def __init__(self, encoder, decoder, src_embed, tgt_embed, generator):
@@ -314,7 +314,8 @@ class EncoderDecoder(nn.Module):
 
 # %%
 class Generator(nn.Module):
-    """Linear projection to the vocabulary, then log-softmax."""
+    """Linear projection to the vocabulary, then log-softmax: (..., d_model) ->
+    (..., vocab) log-probabilities."""
 
     def __init__(self, d_model, vocab):
         super().__init__()
@@ -568,13 +569,15 @@ class Decoder(nn.Module):
 
 # %%
 def subsequent_mask(size, device=None):
-    """Mask out future positions: entry [0, i, j] is True iff j <= i."""
+    """The look-ahead mask, (1, size, size) booleans: [0, i, j] is True (query i may
+    attend to key j) iff j <= i. On `device` if given, else the CPU."""
     future = torch.ones(1, size, size, dtype=torch.bool, device=device).triu(1)
     return ~future
 
 
 def padding_mask(tokens, pad):
-    """True where `tokens` is not padding, shaped (batch, 1, seq) for attention."""
+    """The padding mask of ids (batch, seq): (batch, 1, seq) booleans, True where a
+    token is not `pad` (a key that may be attended to), the same for every query."""
     return (tokens != pad).unsqueeze(-2)
 
 
@@ -685,7 +688,11 @@ show_example(chart_subsequent_mask)
 
 # %%
 def attention(query, key, value, mask=None, dropout=None):
-    """Scaled dot-product attention; returns (output, attention weights)."""
+    """Scaled dot-product attention, Eq. (1): query (..., q_len, d_k), key
+    (..., k_len, d_k), value (..., k_len, d_v) -> (output (..., q_len, d_v), weights
+    (..., q_len, k_len)). `mask` broadcasts to the weights' shape, any dtype, 1/True
+    where a query may attend, 0 hides (a row hiding every key gives zero output);
+    `dropout`, a module, acts on the weights."""
     d_k = query.size(-1)
     scores = torch.matmul(query, key.transpose(-2, -1)) / math.sqrt(d_k)
     if mask is not None:  # 0 (or False) hides a key, in a mask of any dtype
@@ -755,7 +762,16 @@ show_example(example_why_scale)
 
 # %%
 class MultiHeadedAttention(nn.Module):
-    """h parallel attention heads over learned projections of Q, K and V."""
+    """h parallel attention heads over learned projections of Q, K and V (§3.2.2).
+
+    forward(query, key, value, mask=None): query (batch, q_len, d_model), key and
+    value (batch, k_len, d_model), mask (batch or 1, q_len or 1, k_len) with 1/True
+    where a query may attend -> (batch, q_len, d_model). Side effect: `.attn` holds
+    the weights of the last call, (batch, h, q_len, k_len), detached (None before
+    the first call); `attention_maps(model)` collects them from a whole model.
+    `heads` and `attend` are the two halves of forward, for callers (the key/value
+    cache) that project keys and values themselves.
+    """
 
     def __init__(self, h, d_model, dropout=0.1):
         super().__init__()
@@ -954,7 +970,8 @@ class PositionwiseFeedForward(nn.Module):
 
 # %%
 class Embeddings(nn.Module):
-    """Token ids -> vectors, scaled by sqrt(d_model)."""
+    """Token ids (batch, seq) -> vectors (batch, seq, d_model), scaled by
+    sqrt(d_model); the table is `lut` (the 2018/2022 notebook's name)."""
 
     def __init__(self, d_model, vocab):
         super().__init__()
@@ -1007,7 +1024,9 @@ class Embeddings(nn.Module):
 
 # %%
 class PositionalEncoding(nn.Module):
-    """Add the sinusoidal position code to a (batch, seq, d_model) input."""
+    """Add the sinusoidal position code to a (batch, seq, d_model) input, then
+    dropout. The codes of max_len positions are a buffer, `pe`; a longer input is
+    an error."""
 
     def __init__(self, d_model, dropout, max_len=5000, base=10000.0):
         super().__init__()
@@ -1179,13 +1198,17 @@ def check_sizes(src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout, **options):
     require(one_vocab, f"share_embeddings=True needs one vocabulary, not {sizes}.")
     init = options["embedding_init"]
     known = f"embedding_init must be 'glorot' or 'normal', got {init!r}."
-    require(init in ("glorot", "normal"), known)
+    require(init in (None, "glorot", "normal"), known)
 
 
 # %%
-def initialize(model, embedding_init="glorot"):
+def initialize(model, embedding_init=None):
     """Glorot/Xavier uniform for every matrix (a shared one once); with "normal",
-    the embedding matrices from N(0, 1/d_model) instead."""
+    the embedding matrices from N(0, 1/d_model) instead (None: "normal" when the
+    model shares a matrix, else "glorot")."""
+    luts = model.src_embed[0].lut.weight, model.tgt_embed[0].lut.weight
+    shared = luts[0] is luts[1] or model.generator.proj.weight is luts[1]
+    embedding_init = embedding_init or ("normal" if shared else "glorot")
     for p in model.parameters():
         if p.dim() > 1:
             nn.init.xavier_uniform_(p)
@@ -1212,9 +1235,10 @@ def make_model(
     embedding_init=None,
     max_len=5000,
 ):
-    """Build an EncoderDecoder Transformer from its hyperparameters."""
-    tied = share_embeddings or tie_generator
-    embedding_init = embedding_init or ("normal" if tied else "glorot")
+    """An EncoderDecoder: N layers a stack, width d_model (even, divisible by h),
+    inner width d_ff, h heads. norm_first=False: post-norm; share_embeddings needs
+    src_vocab == tgt_vocab; embedding_init: "glorot", "normal" (N(0, 1/d_model)) or
+    None ("normal" when a matrix is shared); max_len: the positions it covers."""
     sizes = (src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout)
     options = dict(share_embeddings=share_embeddings, embedding_init=embedding_init)
     check_sizes(*sizes, max_len=max_len, **options)
@@ -1465,7 +1489,17 @@ def check_token_ids(pad, **tensors):
 
 # %%
 class Batch:
-    """A batch of source and (optionally) target ids, with their attention masks."""
+    """A batch of source and (optionally) target ids, with their attention masks.
+
+    Batch(src, tgt=None, pad=2): src (batch, src_len) and tgt (batch, tgt_len)
+    integer ids, pad the id that fills short rows. The default pad=2 is Multi30k's
+    <blank> (the 2018/2022 notebook's default): give your own, or a real token with
+    id 2 becomes padding (Batch warns when pad comes before a real token in a row).
+    Holds src, pad, src_mask (batch, 1, src_len) and, with tgt: tgt (the decoder's
+    input, tgt without its last token), tgt_y (the targets, tgt without its first),
+    tgt_mask (batch, tgt_len - 1, tgt_len - 1: padding and the future hidden) and
+    ntokens (the non-padding targets). Masks are True where a query may attend.
+    """
 
     def __init__(self, src, tgt=None, pad=2):
         check_token_ids(pad, src=src, tgt=tgt)
@@ -1567,12 +1601,15 @@ class TrainState:
 
 
 # %% [markdown]
-# Three small helpers keep the loop short. `check_epoch` refuses a mode it does not
-# know, training without an optimizer, and data with nothing to predict, before any
-# work is done. In evaluation, `eval_loss` asks the loss computation for the plain
-# negative log-likelihood (`nll`, below); a loss computation written for the
-# 2018/2022 notebook has none, and then the loop reports what it returns, as that
-# notebook did. `print_progress` writes one line of the log.
+# Four small helpers keep the loop short. `check_epoch` refuses a mode it does not
+# know, training without an optimizer, data with nothing to predict, and a loss that
+# takes another id for padding than the batches, before any work is done. In
+# evaluation, `eval_loss` asks the loss computation for the plain negative
+# log-likelihood (`nll`, below); a loss computation written for the 2018/2022
+# notebook has none, and then the loop reports what it returns, as that notebook
+# did. `take_step` takes one optimizer step with the accumulated gradients, clears
+# them, and moves the learning-rate schedule one step on. `print_progress` writes
+# one line of the log.
 
 
 # %%
@@ -1596,6 +1633,15 @@ def eval_loss(loss_compute, out, batch):
     return loss_compute(out, batch.tgt_y, batch.ntokens)[0]
 
 
+def take_step(optimizer, scheduler, state):
+    """One optimizer step, gradients cleared, then one step of the schedule."""
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if scheduler is not None:
+        scheduler.step()
+    state.accum_step += 1
+
+
 def print_progress(state, loss, batch, optimizer):
     """One line of the training log: step, loss per token, learning rate."""
     print(
@@ -1616,7 +1662,12 @@ def run_epoch(
     train_state=None,
     log_every=40,
 ):
-    """Run one epoch; return (mean loss per target token, train_state)."""
+    """Run one epoch over Batches; return (mean loss per target token, train_state).
+
+    "train" or "train+log" (a line every log_every batches): back-propagate, then
+    step the optimizer and the scheduler once per accum_iter micro-batches, each
+    divided by its group's target tokens. "eval": no gradients; the plain NLL per
+    token. loss_compute is SimpleLossCompute's kind, with the batches' padding id."""
     batches = list(data_iter)  # a list: the last group must be known
     check_epoch(mode, optimizer, batches, loss_compute)
     training, state = mode != "eval", train_state or TrainState()
@@ -1639,11 +1690,7 @@ def run_epoch(
             if mode == "train+log" and state.step % log_every == 1:
                 print_progress(state, loss.item(), batch, optimizer)
         if training:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if scheduler is not None:
-                scheduler.step()
-            state.accum_step += 1
+            take_step(optimizer, scheduler, state)
     return float(total_loss) / total_tokens, state
 
 
@@ -1728,8 +1775,18 @@ def make_optimizer(
     cooldown=0.0,
 ):
     """Adam with the paper's betas and eps, and a LambdaLR running `rate`; with
-    total_steps, the rate falls linearly to 0 over their last `cooldown` share."""
-    model_size = model_size or model.src_embed[0].d_model  # the model's width
+    total_steps, the rate falls linearly to 0 over their last `cooldown` share.
+
+    Returns (optimizer, scheduler): call scheduler.step() after each optimizer
+    step (run_epoch does). The rate is base_lr * factor * d_model^-0.5 *
+    min(step^-0.5, step * warmup^-1.5), with d_model the model's own unless
+    model_size is given. warmup (the paper's 4,000 steps by default) sets where the
+    rate peaks: a run of a few thousand steps needs a shorter one, about a tenth of
+    its steps, or it ends still warming up.
+    """
+    width = getattr(getattr(model, "src_embed", [None])[0], "d_model", None)
+    model_size = model_size or width  # the model's own width
+    require(model_size, "make_optimizer: pass model_size=, your model's d_model.")
     cooldown_steps = round(cooldown * total_steps) if cooldown else 0
     optimizer = torch.optim.Adam(
         model.parameters(), lr=base_lr, betas=(0.9, 0.98), eps=1e-9, fused=True
@@ -1810,7 +1867,13 @@ show_example(chart_learning_rate)
 
 # %%
 class LabelSmoothing(nn.Module):
-    """KL divergence to a label-smoothed target distribution that ignores padding."""
+    """KL divergence to a label-smoothed target distribution that ignores padding.
+
+    LabelSmoothing(size, padding_idx, smoothing): size is the vocabulary; the target
+    puts 1 - smoothing on the right word and spreads smoothing over the size - 2
+    others that are not padding. Called on log-probabilities x (n, size) and target
+    ids (n,), it returns the summed loss (a 0-d tensor); padding targets add 0.
+    """
 
     def __init__(self, size, padding_idx, smoothing=0.0):
         super().__init__()
@@ -1937,7 +2000,9 @@ def data_gen(V, batch_size, nbatches, *, seq_len=10, generator=None, device=None
 
 # %%
 class SimpleLossCompute:
-    """Generator + criterion; returns (summed loss, loss / norm)."""
+    """Generator + criterion: called on the decoder's output (batch, seq, d_model),
+    the targets (batch, seq) and `norm`, returns (summed loss, detached; loss /
+    norm, to back-propagate); nll(x, y) is the summed plain NLL, padding skipped."""
 
     def __init__(self, generator, criterion):
         self.generator = generator
@@ -2010,7 +2075,13 @@ def greedy_decode(
     pad_symbol=None,
     cache=None,
 ):
-    """Decode a batch greedily; returns (batch, <= max_len) ids incl. the start symbol."""
+    """Decode a batch greedily; returns (batch, <= max_len) ids incl. the start symbol.
+
+    src (batch, src_len) ids with src_mask (batch, 1, src_len). Each row stops at
+    end_symbol (then holds pad_symbol, by default end_symbol, after it); all stop at
+    max_len ids. Runs in eval mode under no_grad and restores the model's mode.
+    cache: a KVCache (Part 4) to compute only each new position.
+    """
     pad_symbol = end_symbol if pad_symbol is None else pad_symbol
     with evaluating(model), torch.no_grad():
         memory = model.encode(src, src_mask)
@@ -3118,7 +3189,13 @@ class TranslatorText:
 # %%
 @dataclass
 class Translator(TranslatorText):
-    """A trained model with its vocabularies, ready to translate German text."""
+    """A trained model with its vocabularies, ready to translate German text.
+
+    Translator(model, vocab_src, vocab_tgt, config, spacy_de=None).translate(
+    sentences, batch_size=64, **options) -> a list of English strings, in the input
+    order (one string in: a list of one). options go to decode_ids: decode= (e.g.
+    beam_search), max_extra=, and the search's own (beam_size=, alpha=).
+    """
 
     model: EncoderDecoder
     vocab_src: Vocab
@@ -3501,7 +3578,12 @@ def cached_layer(layer, x, memory, src_mask, cache, start):
 
 # %%
 class KVCache:
-    """The keys and values of the target positions decoded so far, per layer."""
+    """The keys and values of the target positions decoded so far, per layer.
+
+    KVCache(model), fresh for each batch: pass it to greedy_decode(..., cache=) or
+    use cached_greedy_decode; step() is decode_step for new positions only and
+    reorder(rows) keeps chosen rows (beam search). It runs the model's own layers.
+    """
 
     def __init__(self, model):
         self.layers = [{} for _ in model.decoder.layers]
@@ -3639,7 +3721,11 @@ def beam_search_one(model, memory, src_mask, max_len, start, end, k, alpha):
 # %%
 def beam_search(model, src, src_mask, max_len, start_symbol, end_symbol, **options):
     """Beam-search each sentence of a batch (options: beam_size=4, alpha=0.6,
-    pad_symbol); returns the best ids of each, with <s>: (batch, <= max_len)."""
+    pad_symbol); returns the best ids of each, with <s>: (batch, <= max_len).
+
+    Same arguments as greedy_decode, and the same shapes; the best hypothesis is the
+    one with the highest log-probability divided by GNMT's length penalty.
+    """
     k, alpha = options.get("beam_size", 4), options.get("alpha", 0.6)
     pad = options.get("pad_symbol", end_symbol)
     best = []
@@ -4299,6 +4385,49 @@ class DummyOptimizer(DummyScheduler):
 # everything else (Multi30k downloads, training runs with checkpoints, evaluation,
 # figures) is the `workshop` package beside this file: `python -m workshop --help`.
 # The book never imports it; it imports the book.
+#
+# As a library, the module's public names are in `__all__`, and its docstring indexes
+# them (`help(the_annotated_transformer)`; the folded cell below). The examples and
+# the chart helpers are not among them.
+
+
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+__doc__ = """The Annotated Transformer, rebuilt to run today: a literate, tested PyTorch
+reading of "Attention Is All You Need" (Vaswani et al., 2017), usable as a library.
+Importing it trains, downloads and draws nothing. help(NAME) gives each contract.
+
+The model (Part 1): make_model, EncoderDecoder, clones, Encoder, EncoderLayer,
+Decoder, DecoderLayer, SublayerConnection, LayerNorm, MultiHeadedAttention, attention,
+PositionwiseFeedForward, Embeddings, PositionalEncoding, Generator, subsequent_mask,
+padding_mask (masks: 1/True where a query may attend), initialize, count_parameters.
+Training (Part 2): Batch, run_epoch, TrainState, make_optimizer, rate,
+LabelSmoothing, SimpleLossCompute, DummyOptimizer, DummyScheduler; the copy task:
+data_gen, CopyTaskConfig, train_copy_task.
+Decoding (Parts 2, 4, 5): decode_step, greedy_decode, KVCache,
+cached_greedy_decode, beam_search, length_penalty, attention_maps.
+Translating Multi30k (Parts 3-5): read_split, fetch_multi30k, load_tokenizers,
+tokenize, Vocab, SubwordVocab, learn_bpe, build_vocabulary, encode_text,
+collate_batch, TokenBudgetBatchSampler, TranslationData, prepare_data, TrainConfig,
+PROFILES, train_translator, decode_ids, detokenize, Translator, bleu,
+attention_weights, and the ids BOS, EOS, PAD, UNK, SPECIALS.
+Saving (Part 4): without_positional_tables, load_weights, average.
+"""
+__all__ = [
+    *"EncoderDecoder Generator clones LayerNorm SublayerConnection EncoderLayer".split(),
+    *"Encoder DecoderLayer Decoder subsequent_mask padding_mask attention".split(),
+    *"MultiHeadedAttention PositionwiseFeedForward Embeddings".split(),
+    *"PositionalEncoding make_model initialize count_parameters Batch".split(),
+    *"TrainState run_epoch rate make_optimizer LabelSmoothing".split(),
+    *"SimpleLossCompute DummyOptimizer DummyScheduler data_gen".split(),
+    *"CopyTaskConfig train_copy_task decode_step greedy_decode KVCache".split(),
+    *"cached_greedy_decode beam_search length_penalty attention_maps".split(),
+    *"read_split fetch_multi30k load_tokenizers tokenize Vocab SubwordVocab".split(),
+    *"learn_bpe build_vocabulary encode_text collate_batch".split(),
+    *"TokenBudgetBatchSampler TranslationData prepare_data TrainConfig".split(),
+    *"PROFILES train_translator decode_ids detokenize Translator bleu".split(),
+    *"attention_weights BOS EOS PAD UNK SPECIALS without_positional_tables".split(),
+    *"load_weights average".split(),
+]
 
 
 # %%

@@ -27,6 +27,7 @@ from workloads import (
     book_model,
     chunks,
     fixed_length_batch,
+    padding_share,
     quick_profile,
     quick_profile_sizes,
     synthetic_batches,
@@ -279,7 +280,7 @@ def figure_pipeline(ctx):
         fns[name] = functools.partial(train, batches)
     seconds = median_times(fns, settings.repeats, device=ctx.device)
     speed = {name: target_tokens(recipes[name]) / seconds[name] for name in recipes}
-    padding = {name: 100 * tat.padding_fraction(b) for name, b in recipes.items()}
+    padding = {name: 100 * padding_share(b) for name, b in recipes.items()}
     return [
         Row(
             "pipeline",

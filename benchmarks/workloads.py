@@ -155,6 +155,11 @@ def target_tokens(batches):
     return sum(b.ntokens for b in batches)
 
 
+def padding_share(batches):
+    """The share of target positions in `batches` that are padding."""
+    return 1.0 - target_tokens(batches) / sum(b.tgt_y.numel() for b in batches)
+
+
 def trainer(model, amp_dtype=None, smoothing=0.1, warmup=4000):
     """A function that trains `model` on a list of Batches as the book's training does.
 
