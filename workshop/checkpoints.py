@@ -14,6 +14,8 @@ from the_annotated_transformer import (
     SubwordVocab,
     Vocab,
     average,
+    load_weights,
+    without_positional_tables,
 )
 from workshop.errors import DataError
 from workshop.files import atomic_write, atomic_write_text
@@ -84,25 +86,12 @@ def is_run_checkpoint_name(path):
     return name == "last.pt" or re.fullmatch(r"epoch_\d+\.pt", name) is not None
 
 
-def without_positional_tables(state_dict):
-    """A state dict without the positional-encoding tables (the `*.pe` buffers):
-    they are a fixed function of the model's sizes, so checkpoints leave them out."""
-    return {k: v for k, v in state_dict.items() if not k.endswith(".pe")}
-
-
 def with_positional_tables(state_dict, model):
     """`state_dict` with every `*.pe` table it lacks taken from `model`'s own state
     dict, for model.load_state_dict(..., strict=True): strictness then still catches
     every other missing or unexpected entry."""
     tables = {k: v for k, v in model.state_dict().items() if k.endswith(".pe")}
     return {**tables, **state_dict}
-
-
-def load_weights(model, state_dict):
-    """Load a checkpoint's state dict, saved with or without the positional tables,
-    into `model` strictly; returns `model`."""
-    model.load_state_dict(with_positional_tables(state_dict, model), strict=True)
-    return model
 
 
 def load_checkpoint(path, map_location="cpu"):
