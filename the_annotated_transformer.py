@@ -4289,14 +4289,16 @@ show_example(example_attention_maps)
 # layer normalisation — and trained it twice: on a toy task that it masters in about a
 # minute, and on a real translation task that a 2-core CPU learns in minutes. The
 # tests in `tests/`, organised like the book, check the formulas, the equivalences
-# (our attention against PyTorch's, the cache against recomputation, exact gradient
-# accumulation) and the examples' claims.
+# (our attention against PyTorch's, our stacks against `nn.Transformer`, the cache
+# against recomputation, exact gradient accumulation), the symptoms of the classic
+# bugs, and the examples' claims.
 #
 # Where to go from here: train the `base` profile on a GPU (or several, with
 # `torchrun`), try shared byte-pair vocabularies with tied embeddings, decode with beam
 # search and average the last checkpoints, as the paper did; or change one piece —
 # post-norm instead of pre-norm, a different base for the positional encoding, no
-# label smoothing — and measure what it does.
+# label smoothing — and measure what it does. To build on the book in your own code,
+# `docs/build_on_it.md` trains it on a task of its own in about forty lines.
 
 
 # %% [markdown]
