@@ -160,8 +160,10 @@ site: $(STAMP) $(NEEDS_DATA)
 # a JUPYTER_PATH already set is kept after it).
 # jupytext's server extension, installed with it, pairs the .py and the notebook.
 # Nothing is fetched at run time: no news feed, no update check, no extension store,
-# and no question about the news on first open (tools/lab/overrides.json, the
-# settings JupyterLab reads from its folder in the venv).
+# and no question about the news on first open; every cell of the book is in the page
+# as soon as it opens (windowing off: the browser's Find sees all of it, and no cell
+# waits for idle time to be built). tools/lab/overrides.json holds these settings,
+# which JupyterLab reads from its folder in the venv.
 # Jupyter prints the URL, token included; LAB_OPTIONS=--no-browser opens no browser.
 # answer_yes: one Ctrl-C stops the server, without Jupyter's "Shut down (y/[n])?".
 LAB_PORT ?= 8888

@@ -343,36 +343,55 @@ def test_the_folded_cells_are_collapsed_and_a_click_opens_them(lab, chromium, tm
             assert shown == source.partition("\n")[0], index
             assert tab.evaluate(f"{this}.querySelector('.jp-InputArea')") is None
             tab.click_on(f"{this}.querySelector('.jp-InputPlaceholder')")
-            # Open: the editor in place of the placeholder, its lines drawn.
-            lines = tab.wait_for(
-                "(() => { const lines ="
-                f" [...{this}.querySelectorAll('.jp-InputArea .cm-line')];"
-                f" return {this}.querySelector('.jp-InputPlaceholder') === null"
-                " && lines.length > 0 && lines.map(line => line.textContent); })()",
+            # Open: the editor in place of the placeholder.
+            tab.wait_for(
+                f"{this}.querySelector('.jp-InputPlaceholder') === null"
+                f" && {this}.querySelector('.jp-InputArea .cm-line') !== null",
                 timeout=30,
                 message=f"a click did not open cell {index}",
             )
-            assert [line for line in lines if line.strip()] == [
-                line for line in source.splitlines() if line.strip()
-            ], index
+            # CodeMirror draws only the lines near the view, and measures the view
+            # after the first frame: bring the whole cell into view, then wait until
+            # it has drawn as many lines as the cell has (no cell is taller than the
+            # 1000-pixel window), and compare them.
+            tab.evaluate(f"{this}.scrollIntoView({{block: 'start'}})")
+            expected = [line for line in source.splitlines() if line.strip()]
+            drawn = (
+                f"[...{this}.querySelectorAll('.jp-InputArea .cm-line')]"
+                ".map(line => line.textContent).filter(text => text.trim())"
+            )
+            tab.wait_for(f"{drawn}.length >= {len(expected)}", timeout=30)
+            assert tab.evaluate(drawn) == expected, index
+
+
+def served_defaults(lab, plugin):
+    """The defaults the running server gives a plugin's settings. The overrides
+    `make lab` copies become the defaults of the plugin's schema; no user setting
+    (none in this test's fresh Jupyter folders) takes their place."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{lab['port']}/lab/api/settings/{plugin}",
+        headers={"Authorization": f"token {lab['token']}"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        answer = json.loads(response.read())
+    assert answer["settings"] == {}, answer["settings"]
+    return {k: v.get("default") for k, v in answer["schema"]["properties"].items()}
 
 
 def test_jupyterlab_asks_nothing_about_the_news_and_checks_for_no_update(lab):
     """The settings `make lab` hands JupyterLab: news never fetched (so it does not
     ask on first open whether to fetch them) and no update check."""
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{lab['port']}/lab/api/settings/"
-        "@jupyterlab/apputils-extension:notification",
-        headers={"Authorization": f"token {lab['token']}"},
-    )
-    with urllib.request.urlopen(request, timeout=60) as response:
-        answer = json.loads(response.read())
-    # The overrides become the defaults of the plugin's schema; no user setting
-    # (none in this test's fresh Jupyter folders) takes their place.
-    defaults = {k: v.get("default") for k, v in answer["schema"]["properties"].items()}
-    assert answer["settings"] == {}, answer["settings"]
+    defaults = served_defaults(lab, "@jupyterlab/apputils-extension:notification")
     assert defaults["fetchNews"] == "false"  # JupyterLab's own default, "none", asks
     assert defaults["checkForUpdates"] is False
+
+
+def test_jupyterlab_puts_every_cell_of_the_book_in_the_page(lab):
+    """`make lab` turns JupyterLab's windowing off: its own default
+    ("contentVisibility") attaches cells in batches while the browser is idle, so a
+    reader's Find, and the tests above, could meet a book with cells missing."""
+    defaults = served_defaults(lab, "@jupyterlab/notebook-extension:tracker")
+    assert defaults["windowingMode"] == "none"
 
 
 def test_the_py_opens_as_the_same_notebook(lab):
