@@ -77,8 +77,8 @@
 # Our own commentary is marked, always the same way: block quotes that start with
 # **Note** (tips, pitfalls, our choices, places where this code differs from the
 # paper), block quotes that start with **Changed** (a fix of the 2018/2022 notebook,
-# listed in full at the end), sentences marked *our reading* or *our choice*, and the
-# sections that say so (the key/value cache, beam search's code, the Results).
+# listed in full at the end), sentences that begin *Our reading:* or *Our choice:*, and
+# the sections that say so (the key/value cache, beam search's code, the Results).
 
 # %% [markdown]
 # ## Preliminaries
@@ -239,7 +239,10 @@ CONVENTION = "1/True where a query may attend (PyTorch's nn.Transformer: True hi
 
 
 def check_mask_shape(mask, name, batch, queries, keys):
-    """Refuse a mask that is not (batch or 1, `queries` or 1, keys)."""
+    """Refuse a mask that is not a (batch or 1, `queries` or 1, keys) tensor."""
+    require(
+        mask is None or torch.is_tensor(mask), f"{name} must be a tensor.", TypeError
+    )
     rows = f"1 or {queries}" if queries > 1 else "1"
     fits = mask is None or (
         mask.dim() == 3 and mask.size(0) in (1, batch) and mask.size(-1) == keys
@@ -289,18 +292,22 @@ class EncoderDecoder(nn.Module):
 
     def forward(self, src, tgt, src_mask, tgt_mask):
         """Encode the source, then decode the target against it."""
-        check_mask_shape(src_mask, "src_mask", src.size(0), 1, src.size(1))
+        same = src.size(0) == tgt.size(0)
+        require(same, f"src has {src.size(0)} rows, tgt {tgt.size(0)}: one per pair.")
         check_mask_shape(tgt_mask, "tgt_mask", tgt.size(0), tgt.size(1), tgt.size(1))
-        check_masks(src_mask=src_mask, tgt_mask=tgt_mask)
+        check_masks(tgt_mask=tgt_mask)  # src_mask: in encode
         return self.decode(self.encode(src, src_mask), src_mask, tgt, tgt_mask)
 
     def encode(self, src, src_mask):
-        """The memory, (batch, src_len, d_model), of source ids (batch, src_len)."""
+        """The memory, (batch, src_len, d_model), of source ids (batch, src_len).
+        Checks src_mask's shape and contents (one read from the device)."""
         check_mask_shape(src_mask, "src_mask", src.size(0), 1, src.size(1))
+        check_masks(src_mask=src_mask)
         return self.encoder(self.src_embed(src), src_mask)
 
     def decode(self, memory, src_mask, tgt, tgt_mask):
-        """The decoder's output, (batch, tgt_len, d_model), for target ids tgt."""
+        """The decoder's output, (batch, tgt_len, d_model), for target ids tgt.
+        Checks tgt_mask's shape only: decoding calls it once per step."""
         check_mask_shape(tgt_mask, "tgt_mask", tgt.size(0), tgt.size(1), tgt.size(1))
         return self.decoder(self.tgt_embed(tgt), memory, src_mask, tgt_mask)
 
@@ -922,7 +929,7 @@ show_example(example_attention_by_hand)
 # with an inner width $d_{ff} = 2048 = 4\,d_{\text{model}}$. Equivalently, two
 # convolutions with kernel size 1.
 #
-# **Why expand to $4 \times d_{\text{model}}$ and back?** *Our reading.* Attention mixes
+# **Why expand to $4 \times d_{\text{model}}$ and back?** *Our reading:* attention mixes
 # positions: each output is a weighted average of the value vectors. The weights
 # depend on the queries and keys through the softmax, but once they are fixed the
 # output is linear in the values, and the values are linear projections of the
@@ -1045,6 +1052,8 @@ class PositionalEncoding(nn.Module):
 
     def forward(self, x):
         """Add the codes of positions 0 .. seq_len - 1."""
+        long = f"{x.size(1)} positions, more than max_len={self.max_len}: make_model"
+        require(x.size(1) <= self.max_len, f"{long}(max_len=...) sets the limit.")
         return self.dropout(x + self.pe[:, : x.size(1)].to(x.dtype))
 
 
@@ -1054,7 +1063,7 @@ class PositionalEncoding(nn.Module):
 # more slowly.
 
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def chart_positional_waves(features=(4, 5, 6, 7), positions=100, d_model=20):
     """Some features of the positional encoding against the position, as lines."""
     pe = PositionalEncoding(d_model, 0.0, max_len=positions).pe[0]
@@ -1075,7 +1084,7 @@ show_example(chart_positional_waves)
 # pairs on the right.
 
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def chart_positional_encoding(positions=128, d_model=128, base=10000.0):
     """A heat map of the positional encoding: positions down, features across."""
     alt = load_altair()
@@ -1160,9 +1169,9 @@ show_example(example_relative_position_is_linear)
 # paper's base model (*§3*, and the "base" row of Table 3): $N = 6$,
 # $d_{\text{model}} = 512$, $d_{ff} = 2048$, $h = 8$, dropout 0.1. Weight matrices start
 # from Glorot/Xavier uniform initialisation
-# ([Glorot and Bengio, 2010](https://proceedings.mlr.press/v9/glorot10a.html)):
-# *our choice*, kept from the original notebook; the paper does not say how it
-# initialised.
+# ([Glorot and Bengio, 2010](https://proceedings.mlr.press/v9/glorot10a.html)).
+# *Our choice:* this start is kept from the original notebook; the paper does not say
+# how it initialised.
 #
 # Keyword options beyond the original notebook's signature:
 #
@@ -1356,8 +1365,8 @@ show_example(run_tests)
 # memory of its own encoder.
 #
 # The weights are the same ones under other names: `TORCH_NAMES` below is the whole
-# correspondence, and `copy_weights` copies them either way. *What the mapping
-# teaches (our reading):* PyTorch keeps an attention layer's $W^Q$, $W^K$ and $W^V$
+# correspondence, and `copy_weights` copies them either way. *Our reading:* the
+# mapping teaches two things. PyTorch keeps an attention layer's $W^Q$, $W^K$ and $W^V$
 # (§3.2.2) in one fused matrix, `in_proj_weight` of shape
 # $(3 d_{\text{model}}, d_{\text{model}})$, which is our first three `linears` stacked,
 # so that one matrix product projects the queries, keys and values at once. Its masks
@@ -1409,7 +1418,7 @@ def copy_weights(ours, theirs, to_torch=True):
             block.copy_(part) if to_torch else part.copy_(block)  # block: a view
 
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def torch_stacks(norm_first, N=2, d_model=512, h=8):
     """PyTorch's encoder and decoder stacks in make_model's layout (float64, eval)."""
     kw = dict(layer_norm_eps=1e-6, batch_first=True, norm_first=norm_first)
@@ -1421,6 +1430,7 @@ def torch_stacks(norm_first, N=2, d_model=512, h=8):
     return encoder.double().eval(), decoder.double().eval()
 
 
+# %%
 def example_same_as_torch():
     """Largest |difference| of our stacks' outputs and torch's, on a padded batch."""
     src = torch.tensor([[1, 2, 3, 4, 0, 0], [5, 6, 7, 8, 9, 10]])  # 0 is padding
@@ -1465,7 +1475,10 @@ show_example(example_same_as_torch)
 # > **Note.** `Batch(src, tgt, pad)` keeps the original notebook's signature. The
 # > default `pad=2` is the id of `<blank>` in the Part 3 vocabularies; the copy task
 # > below passes `pad=0`. `Batch` checks that it was given two 2-D tensors of token
-# > ids (the folded cell below).
+# > ids with one row per pair (the folded cell below). It *warns*, rather than
+# > refuses, where the pad id comes before a real token in a row: padding on the left
+# > is legal, but that is also what a forgotten `pad=` looks like when a real token
+# > has id 2.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -1477,6 +1490,8 @@ def check_token_ids(pad, **tensors):
         ok = torch.is_tensor(ids) and ids.dim() == 2 and not ids.is_floating_point()
         message = f"Batch: {name} must be a 2-D tensor of integer token ids."
         require(ids is None or ok, message, TypeError)
+        rows = ids is None or ids.size(0) == tensors["src"].size(0)
+        require(rows, "Batch: src and tgt need the same number of rows (pairs).")
         if ids is not None and bool(((ids[:, :-1] == pad) & (ids[:, 1:] != pad)).any()):
             inside = (
                 f"Batch: pad={pad} comes before a real token in {name}; if {pad} is"
@@ -1612,7 +1627,7 @@ class TrainState:
 # one line of the log.
 
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def check_epoch(mode, optimizer, batches, loss_compute):
     """Refuse an unknown mode, training without an optimizer, empty data, and a loss
     whose padding id is not the batches' (it would score padding as words)."""
@@ -1626,6 +1641,7 @@ def check_epoch(mode, optimizer, batches, loss_compute):
     require(pad is None or not others, f"{mismatch}: give both the same id.")
 
 
+# %%
 def eval_loss(loss_compute, out, batch):
     """The summed loss of one batch in evaluation: the NLL where there is one."""
     if hasattr(loss_compute, "nll"):
@@ -1662,17 +1678,17 @@ def run_epoch(
     train_state=None,
     log_every=40,
 ):
-    """Run one epoch over Batches; return (mean loss per target token, train_state).
-
-    "train" or "train+log" (a line every log_every batches): back-propagate, then
-    step the optimizer and the scheduler once per accum_iter micro-batches, each
-    divided by its group's target tokens. "eval": no gradients; the plain NLL per
-    token. loss_compute is SimpleLossCompute's kind, with the batches' padding id."""
+    """One epoch over Batches -> (mean loss per target token, train_state).
+    "train", "train+log" (a line every log_every batches): back-propagate, and step
+    the optimizer and scheduler once per accum_iter micro-batches, each scaled by its
+    group's target tokens. "eval": no gradients, the plain NLL per token. The loss's
+    padding id must be the batches'. Lists data_iter first (an epoch in memory), and
+    leaves the model in train() or eval() mode."""
     batches = list(data_iter)  # a list: the last group must be known
     check_epoch(mode, optimizer, batches, loss_compute)
     training, state = mode != "eval", train_state or TrainState()
     model.train(training)
-    total_loss, total_tokens = 0.0, 0
+    total_loss = 0.0
     for first in range(0, len(batches), accum_iter):  # one group per optimizer step
         group = batches[first : first + accum_iter]
         group_tokens = sum(batch.ntokens for batch in group)
@@ -1686,12 +1702,11 @@ def run_epoch(
                 else:
                     loss = eval_loss(loss_compute, out, batch)
             total_loss += loss.detach().float()  # stays on the device
-            total_tokens += batch.ntokens
             if mode == "train+log" and state.step % log_every == 1:
                 print_progress(state, loss.item(), batch, optimizer)
         if training:
             take_step(optimizer, scheduler, state)
-    return float(total_loss) / total_tokens, state
+    return float(total_loss) / sum(batch.ntokens for batch in batches), state
 
 
 # %% [markdown]
@@ -1725,11 +1740,11 @@ def run_epoch(
 #   step \cdot warmup^{-1.5}\big).$$
 #
 # The two terms of the minimum are equal at $step = warmup$, where the rate peaks. The
-# paper does not say why it warms up. *Our reading*, which
-# [Liu et al. (2020)](https://arxiv.org/abs/1908.03265) measured: Adam divides each
-# step by a running estimate of the gradient's second moment, and in the first steps
-# that estimate rests on a handful of gradients and is noisy; small early steps keep
-# the noise from throwing the weights far.
+# paper does not say why it warms up. *Our reading:* Adam divides each step by a
+# running estimate of the gradient's second moment, and in the first steps that
+# estimate rests on a handful of gradients and is noisy; small early steps keep the
+# noise from throwing the weights far.
+# [Liu et al. (2020)](https://arxiv.org/abs/1908.03265) measured this variance.
 #
 # Two knobs scale the curve, and they multiply: `factor` inside `rate` (the
 # original notebook's name), and `base_lr`, Adam's learning rate, which `LambdaLR`
@@ -1833,8 +1848,8 @@ show_example(chart_learning_rate)
 #
 # **Dropout.** The paper applies dropout ($P_{drop} = 0.1$ for the base model) to the
 # output of every sub-layer before the residual addition, and to the sums of embeddings
-# and positional encodings. `make_model(dropout=...)` sets all of these. *Our choice,
-# as in the original notebook:* the same dropout also acts on the attention weights
+# and positional encodings. `make_model(dropout=...)` sets all of these. *Our choice:*
+# as in the original notebook, the same dropout also acts on the attention weights
 # and on the inner layer of the feed-forward network, which the paper does not
 # mention.
 #
@@ -2077,7 +2092,8 @@ def greedy_decode(
 ):
     """Decode a batch greedily; returns (batch, <= max_len) ids incl. the start symbol.
 
-    src (batch, src_len) ids with src_mask (batch, 1, src_len). Each row stops at
+    src (batch, src_len) ids with src_mask (batch, 1, src_len), 1/True where a
+    position may be attended (padding_mask builds it). Each row stops at
     end_symbol (then holds pad_symbol, by default end_symbol, after it); all stop at
     max_len ids. Runs in eval mode under no_grad and restores the model's mode.
     cache: a KVCache (Part 4) to compute only each new position.
@@ -2661,9 +2677,8 @@ def read_split(data_dir, split):
 
     sides = []
     for lang in (SRC_LANG, TGT_LANG):
-        with gzip.open(
-            Path(data_dir) / f"{split}.{lang}.gz", "rt", encoding="utf-8"
-        ) as f:
+        path = Path(data_dir) / f"{split}.{lang}.gz"
+        with gzip.open(path, "rt", encoding="utf-8") as f:
             sides.append([line.rstrip("\n") for line in f])
     return list(zip(*sides, strict=True))
 
@@ -2783,7 +2798,8 @@ def tokenize(text, tokenizer):
 #
 # `Vocab` also answers the calls the original code made of torchtext's vocabulary
 # (`lookup_tokens`, `get_stoi`, `get_itos`, `vocab[token]`, `token in vocab`): the
-# folded cell below defines them. It saves itself as JSON: safe to load and readable.
+# folded cell below defines them. A vocabulary is its list of tokens, `itos`, so the
+# workshop saves it as JSON (`workshop/checkpoints.py`): safe to load, and readable.
 
 # %%
 BOS, EOS, PAD, UNK = 0, 1, 2, 3
@@ -3072,7 +3088,8 @@ PROFILES = {  # what each profile changes in TrainConfig's defaults
 
 
 def on_device(batches, device):
-    """Move each Batch of an iterable to `device` as it is used."""
+    """Move each Batch of an iterable to `device`, lazily (run_epoch lists them all
+    first, so the whole epoch ends up on the device)."""
     for batch in batches:
         yield batch.to(device)
 
@@ -3189,13 +3206,7 @@ class TranslatorText:
 # %%
 @dataclass
 class Translator(TranslatorText):
-    """A trained model with its vocabularies, ready to translate German text.
-
-    Translator(model, vocab_src, vocab_tgt, config, spacy_de=None).translate(
-    sentences, batch_size=64, **options) -> a list of English strings, in the input
-    order (one string in: a list of one). options go to decode_ids: decode= (e.g.
-    beam_search), max_extra=, and the search's own (beam_size=, alpha=).
-    """
+    """A trained model with its vocabularies, ready to translate German text."""
 
     model: EncoderDecoder
     vocab_src: Vocab
@@ -3204,7 +3215,8 @@ class Translator(TranslatorText):
     spacy_de: object = None
 
     def translate(self, sentences, batch_size=64, **options):
-        """German sentences (or one) -> English; `options` go to decode_ids."""
+        """German sentences (or one string) -> a list of English strings, in order;
+        options go to decode_ids (decode=beam_search, beam_size=, alpha=, ...)."""
         encoded = self.encode([sentences] if isinstance(sentences, str) else sentences)
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
         out = [None] * len(encoded)
@@ -3477,7 +3489,7 @@ show_example(example_shared_embeddings)
 
 
 # %% [markdown]
-# **How the shared matrix starts.** *Our finding, and our default.* Glorot's start
+# **How the shared matrix starts.** *Our choice:* Glorot's start
 # draws a matrix's entries with a spread of $\sqrt{2/(\text{rows} + \text{columns})}$,
 # which is tiny for an 8,000-row embedding. After the $\sqrt{d_{\text{model}}}$ scale of
 # §3.4 the embeddings then start at about a third of the size of the positional codes
@@ -3734,7 +3746,7 @@ def beam_search(model, src, src_mask, max_len, start_symbol, end_symbol, **optio
         for b in range(src.size(0)):
             one = (memory[b : b + 1], src_mask[b : b + 1], max_len, start_symbol)
             finished = beam_search_one(model, *one, end_symbol, k, alpha)
-            top_ids = finished[0][1] if finished else [start_symbol]  # (score, ids)
+            _, top_ids = finished[0] if finished else (None, [start_symbol])
             best.append(torch.tensor(top_ids))
     padded = torch.nn.utils.rnn.pad_sequence(best, batch_first=True, padding_value=pad)
     return padded.to(src)
@@ -3822,7 +3834,8 @@ def chart_beam(searches, words):
     for step, beam in enumerate(beams, start=1):
         cells += [(step, f"beam {i}", *h) for i, h in enumerate(beam, start=1)]
     for alpha, (finished, _) in searches.items():
-        print(f"α = {alpha} picks: {' '.join(words(finished[0][1]))}")
+        _, best_ids = finished[0]  # (score, ids), best first
+        print(f"α = {alpha} picks: {' '.join(words(best_ids))}")
         for i, (score, ids) in enumerate(finished, start=1):
             row, n = f"α = {alpha}: #{i}, {score:.2f}", len(ids) - 1
             cells.append((n, row, ids, score * length_penalty(n, alpha)))

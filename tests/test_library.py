@@ -140,8 +140,9 @@ def test_a_wrong_shape_is_named_at_encode_and_decode_too(masks):
 
 
 def test_mask_checks_cost_decoding_no_extra_wait_for_the_device(masks):
-    """encode and decode check shapes only (no host read); forward checks contents
-    once, with one read for both masks."""
+    """encode reads src_mask's check once from the device; decode, which decoding
+    calls once per step, checks shapes only (no read); forward reads the tgt_mask
+    check once more, besides encode's."""
     model = small_model()
     reads = []
     original = torch.Tensor.tolist
@@ -153,12 +154,52 @@ def test_mask_checks_cost_decoding_no_extra_wait_for_the_device(masks):
     torch.Tensor.tolist = counting
     try:
         memory = model.encode(masks.src, masks.src_mask)
-        model.decode(memory, masks.src_mask, masks.tgt, masks.tgt_mask)
-        assert reads == []
-        model(masks.src, masks.tgt, masks.src_mask, masks.tgt_mask)
         assert reads == [1]
+        model.decode(memory, masks.src_mask, masks.tgt, masks.tgt_mask)
+        assert reads == [1]
+        model(masks.src, masks.tgt, masks.src_mask, masks.tgt_mask)
+        assert reads == [1, 1, 1]
     finally:
         torch.Tensor.tolist = original
+
+
+@pytest.mark.parametrize("decode", [tat.greedy_decode, tat.beam_search])
+def test_decoding_refuses_a_source_mask_in_pytorchs_convention(masks, decode):
+    """The 2018/2022 notebook's inference path: greedy_decode(model, src, src_mask,
+    ...) with PyTorch's mask ran silently, its memory up to 1.9 away from the right
+    one. encode checks the source mask's contents, so every decoder refuses it."""
+    model = small_model()
+    pytorch_src_mask, _ = pytorch_convention(masks)
+    with pytest.raises(ValueError, match="src_mask leaves a query that sees no key"):
+        decode(model, masks.src, pytorch_src_mask, 5, 1, end_symbol=2)
+    ids = decode(model, masks.src, masks.src_mask, 5, 1, end_symbol=2)
+    assert ids.size(0) == masks.src.size(0)  # the book's own mask decodes
+
+
+def test_a_source_and_target_of_different_batch_sizes_are_refused_in_one_line(masks):
+    """They failed 21 frames deep in attention with a broadcasting message."""
+    model = small_model()
+    with pytest.raises(ValueError, match="src has 2 rows, tgt 1: one per pair"):
+        model(masks.src, masks.tgt[:1], masks.src_mask, masks.tgt_mask[:1])
+    with pytest.raises(ValueError, match="src and tgt need the same number of rows"):
+        tat.Batch(masks.src, masks.tgt[:1], pad=PAD)
+
+
+def test_a_sequence_longer_than_max_len_names_make_models_max_len():
+    """It failed 12 frames deep with a broadcasting message about sizes."""
+    torch.manual_seed(0)
+    model = tat.make_model(V, V, N=1, d_model=32, d_ff=64, h=4, max_len=8).eval()
+    src = torch.ones(1, 9, dtype=torch.long)
+    mask = torch.ones(1, 1, 9, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"9 positions, more than max_len=8: make_mo"):
+        model.encode(src, mask)
+    model.encode(src[:, :8], mask[..., :8])  # exactly max_len: fine
+
+
+def test_a_mask_that_is_not_a_tensor_is_named(masks):
+    model = small_model()
+    with pytest.raises(TypeError, match="src_mask must be a tensor"):
+        model.encode(masks.src, masks.src_mask.tolist())
 
 
 # ---------------------------------------------------------------------------

@@ -1035,7 +1035,7 @@ def first_losses_over_generator_draws(V, draws, scale=1.0):
         out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
         for _ in range(draws):
             model.generator.proj.reset_parameters()  # nn.Linear's draw of the bias
-            nn.init.xavier_uniform_(model.generator.proj.weight)  # make_model's draw
+            tat.initialize(model)  # make_model's Glorot draw (the output is fixed)
             model.generator.proj.weight.mul_(scale)
             loss = loss_compute.nll(out, batch.tgt_y) / batch.ntokens
             losses.append(loss.item())
