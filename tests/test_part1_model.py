@@ -507,6 +507,44 @@ def test_loops_without_the_scale_or_the_mask_miss_the_example_far_beyond_toleran
     assert (ex["weights"][0] - torch.tensor(weights)).abs().max() > 1000 * BY_HAND_ATOL
 
 
+# The perturbed-weight control's step. The example's weights are whole numbers and
+# its inputs 0 or 1, so one weight moves the outputs by the step times factors of
+# about 0.1 to 1.5 (attention weights, values, joined heads): 2^-7 ~ 0.0078 moves
+# them by 7e-4 to 1.2e-2 (measured), 70 to 1,200 times BY_HAND_ATOL, so no rounding
+# can hide it; yet it is a small slip, not a different layer. A power of two, it
+# leaves the perturbed weight exact in float32, so the perturbed layer rounds no more
+# than the example's (the check that both sides agree again once they share it).
+WEIGHT_STEP = 2**-7
+
+
+@pytest.mark.parametrize("projection", range(4), ids=["W_Q", "W_K", "W_V", "W_O"])
+def test_loops_reading_one_perturbed_weight_miss_the_books_layer_beyond_tolerance(
+    worked_example, projection
+):
+    # The control of the equality test above: the loops read a copy of the layer
+    # with one weight changed by WEIGHT_STEP, the book's tensors come from the
+    # layer as it was, and the comparison fails; share the change, and it passes.
+    ex, _ = worked_example
+    perturbed = copy.deepcopy(ex["layer"])
+    with torch.no_grad():
+        perturbed.linears[projection].weight[0, 1] += WEIGHT_STEP  # feature 1 -> 0
+    weights, heads_out, out = attention_by_hand(ex["x"], perturbed, ex["mask"])
+    by_hand = [torch.tensor(t) for t in (weights, heads_out, out)]
+    book = (ex["weights"][0], ex["head_out"][0], ex["out"][0])
+    gaps = [
+        (ours - loops).abs().max().item()
+        for ours, loops in zip(book, by_hand, strict=True)
+    ]
+    assert gaps[2] > BY_HAND_ATOL, gaps  # every projection reaches the output
+    if projection < 2:  # W^Q and W^K move the attention weights too
+        assert gaps[0] > BY_HAND_ATOL, gaps
+    with torch.no_grad():  # the perturbed layer itself agrees with the loops
+        shared = perturbed(ex["x"], ex["x"], ex["x"], ex["mask"])
+    close = dict(atol=BY_HAND_ATOL, rtol=0, check_dtype=False)
+    torch.testing.assert_close(shared[0], by_hand[2], **close)
+    torch.testing.assert_close(perturbed.attn[0], by_hand[0], **close)
+
+
 # ---------------------------------------------------------------------------------
 # Embeddings and positional encoding
 # ---------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ Decoder and torch.nn.TransformerEncoder / TransformerDecoder (built by the book'
 encoder memory and decoder output, pre-norm and post-norm, on a padded batch with
 PyTorch's own masks (True = hidden), on torch's Python path (gradients on) and on its
 fused fast path (eval mode, no gradients); and, as a control, that one weight changed
-by a millionth breaks the equality.
+by a millionth breaks the equality. The last tests load a real torch.nn.Transformer,
+not torch_stacks, into make_model, each layout, with the same control.
 """
 
 import pytest
@@ -173,3 +174,134 @@ def test_nested_tensor_fast_path_returns_zeros_at_padding():
     assert (memory_t[padding] == 0).all() and (memory[padding] != 0).all()
     tolerance = RELATIVE_TOL * memory.abs().max()
     assert (memory - memory_t)[~padding].abs().max() <= tolerance
+
+
+# ---------------------------------------------------------------------------------
+# From a real torch.nn.Transformer into make_model
+# ---------------------------------------------------------------------------------
+
+
+def real_transformer(norm_first):
+    """A torch.nn.Transformer in make_model's sizes and layout (batch first, our
+    LayerNorm's eps), float64, eval, every weight scrambled (its norms would
+    otherwise all be 1 and 0, and its attention biases 0)."""
+    torch.manual_seed(2)
+    transformer = nn.Transformer(
+        D_MODEL,
+        H,
+        num_encoder_layers=N,
+        num_decoder_layers=N,
+        dim_feedforward=D_FF,
+        batch_first=True,
+        norm_first=norm_first,
+        layer_norm_eps=1e-6,
+        dtype=torch.float64,
+    )
+    scramble(transformer, seed=3)
+    return transformer.eval()
+
+
+def loaded_from(transformer, norm_first):
+    """make_model's model holding the transformer's encoder and decoder, copied in by
+    the book's copy_weights: the whole stacks for pre-norm, where both end in a
+    LayerNorm; the layers alone for post-norm, whose stacks in the book have no final
+    norm to receive torch's."""
+    torch.manual_seed(0)
+    model = tat.make_model(
+        11, 11, N=N, d_model=D_MODEL, d_ff=D_FF, h=H, norm_first=norm_first
+    )
+    model = model.double().eval()
+    stacks = (
+        (model.encoder, transformer.encoder),
+        (model.decoder, transformer.decoder),
+    )
+    for ours, theirs in stacks:
+        if not norm_first:
+            ours, theirs = ours.layers, theirs.layers
+        tat.copy_weights(ours, theirs, to_torch=False)
+    return model
+
+
+def differences_from_transformer(model, transformer, torch_norms):
+    """Memory and decoder output of make_model's model and of the nn.Transformer it
+    was loaded from, on the padded batch (gradients on: torch's Python path):
+    (difference, tolerance) for each. torch_norms: apply torch's final norms to ours
+    where torch applies them (for post-norm, whose stacks in the book have none)."""
+    src, tgt = padded_batch()
+    src_mask, tgt_mask = book_masks(src, tgt)
+    src_hidden, hidden = torch_masks(src, tgt)
+    x, y = model.src_embed(src), model.tgt_embed(tgt)  # both sides' input
+    memory_t = transformer.encoder(x, src_key_padding_mask=src_hidden)
+    out_t = transformer(x, y, src_key_padding_mask=src_hidden, **hidden)
+    memory = model.encoder(x, src_mask)
+    if torch_norms:  # the memory torch's decoder reads is normed
+        memory = transformer.encoder.norm(memory)
+    out = model.decoder(y, memory, src_mask, tgt_mask)
+    if torch_norms:
+        out = transformer.decoder.norm(out)
+    return [
+        ((ours - theirs).abs().max().item(), RELATIVE_TOL * ours.abs().max().item())
+        for ours, theirs in ((memory, memory_t), (out, out_t))
+    ]
+
+
+# nn.Transformer builds its encoder with nested tensors on, which a pre-norm encoder
+# declines with a warning; these tests run torch's Python path, which never uses them.
+NESTED_DECLINED = "ignore:enable_nested_tensor is True"
+
+
+@pytest.mark.filterwarnings(NESTED_DECLINED)
+@pytest.mark.parametrize("norm_first", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_make_model_loaded_from_an_nn_transformer_computes_what_it_computes(
+    norm_first,
+):
+    """torch -> ours from a real nn.Transformer, not from torch_stacks.
+
+    nn.Transformer always ends its encoder and its decoder with a LayerNorm, and its
+    decoder reads the normed memory. Pre-norm, those are the book's final norms, and
+    the two models are the same function. Post-norm, the book (like the paper) ends
+    a stack with its last layer's own norm, so nn.Transformer(norm_first=False) is
+    not make_model's post-norm model but that model with one more LayerNorm after
+    each stack. There we load the layers and apply torch's two final norms (torch's
+    own modules, with their scrambled weights) where torch applies them: to our
+    memory, before our decoder reads it, and to our decoder's output. Either layout
+    then checks every weight copy_weights moved from torch's layers into ours, with
+    the file's tolerance (float64, 5N sub-layers of d_ff-term sums; torch's two
+    final norms, applied to both sides alike, add sums of only d_model terms).
+    """
+    transformer = real_transformer(norm_first)
+    model = loaded_from(transformer, norm_first)
+    for difference, tolerance in differences_from_transformer(
+        model, transformer, torch_norms=not norm_first
+    ):
+        assert difference <= tolerance
+
+
+@pytest.mark.filterwarnings(NESTED_DECLINED)
+@pytest.mark.parametrize("norm_first", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_one_weight_changed_after_loading_an_nn_transformer_breaks_the_equality(
+    norm_first,
+):
+    # The control of the test above: W^K[1, 2] of our first encoder layer moved by
+    # DELTA after the copy moves memory and output by 6e-8 to 4e-7 (measured), far
+    # above the tolerance of about 1e-11.
+    transformer = real_transformer(norm_first)
+    model = loaded_from(transformer, norm_first)
+    perturb_one_weight(model, None, to_torch=False)
+    for difference, tolerance in differences_from_transformer(
+        model, transformer, torch_norms=not norm_first
+    ):
+        assert difference > tolerance
+
+
+@pytest.mark.filterwarnings(NESTED_DECLINED)
+def test_a_post_norm_nn_transformer_is_make_models_with_one_more_norm_per_stack():
+    """Why the post-norm case applies torch's final norms: without them, the model
+    loaded from a post-norm nn.Transformer misses it by far more than the tolerance
+    (about 0.2 in memory and output, measured)."""
+    transformer = real_transformer(norm_first=False)
+    model = loaded_from(transformer, norm_first=False)
+    for difference, tolerance in differences_from_transformer(
+        model, transformer, torch_norms=False
+    ):
+        assert difference > 1e6 * tolerance

@@ -32,7 +32,7 @@ import pytest
 from browser import Browser
 from bs4 import BeautifulSoup
 from conftest import CHROMIUM_FLAGS, book_title, fold_tag, run_chromium
-from test_notebook import TEACHING_BY_DOING
+from test_notebook import is_beam_chart, not_shown
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 IMAGES = REPO_ROOT / "images"
@@ -128,10 +128,15 @@ def test_page_is_titled_with_the_books_title(dom):
 
 
 def test_the_page_shows_what_the_book_teaches_by_doing(dom):
-    """The five pieces of the book that put numbers on screen show their output."""
-    text = dom.get_text()
-    for line in TEACHING_BY_DOING:
-        assert line in text, line
+    """The five pieces of the book that put numbers on screen show their output (the
+    lines of tests/test_notebook.py's TEACHING_BY_DOING), and the beam of beam search
+    is a chart of the page, with its spec beside it (the PNG stays in the notebook:
+    test_every_chart_is_drawn_in_the_page)."""
+    assert not_shown(dom.get_text()) == []
+    specs = dom.find_all("script", id=re.compile(r"^chart-\d+-spec$"))
+    beams = [spec for spec in specs if is_beam_chart(json.loads(spec.string))]
+    assert len(beams) == 1, [spec["id"] for spec in specs]
+    assert dom.find(id=beams[0]["id"].removesuffix("-spec"), class_="vega-chart")
 
 
 def test_table_of_contents_links_to_sections_of_the_page(dom):
