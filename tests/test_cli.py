@@ -12,6 +12,8 @@ import errno
 import io
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -28,6 +30,7 @@ from conftest import (
     names_in,
     smoke_config,
     tiny_checkpoint,
+    trained_copy_task,
     write_split,
 )
 
@@ -36,6 +39,7 @@ from workshop import (
     checkpoints,
     cli,
     commands,
+    errors,
     multi30k,
     processes,
     results,
@@ -139,7 +143,7 @@ def test_a_count_below_one_exits_2_with_one_line_naming_the_option(
     ],
 )
 @pytest.mark.parametrize(
-    "command", ["train", "translate", "evaluate", "attention", "reproduce"]
+    "command", ["copy", "train", "translate", "evaluate", "attention", "reproduce"]
 )
 def test_a_device_this_machine_lacks_exits_2_in_one_line(
     command, device, expected, tmp_path, monkeypatch, run_cli
@@ -147,6 +151,7 @@ def test_a_device_this_machine_lacks_exits_2_in_one_line(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # even on a GPU
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     argv = {
+        "copy": [],
         "train": ["--out", str(tmp_path / "run")],
         "translate": ["--checkpoint", "c.pt"],
         "evaluate": ["--checkpoint", "c.pt"],
@@ -235,8 +240,16 @@ def test_translate_with_no_sentences_and_empty_input_exits_2_saying_what_to_pass
 
 @pytest.mark.parametrize(
     "bug",
-    [KeyError("a bug"), TypeError("unsupported operand")],
-    ids=["KeyError", "TypeError, no longer taken for a user error"],
+    [
+        KeyError("a bug"),
+        TypeError("unsupported operand"),
+        ValueError("Expected input batch_size (2) to match target batch_size (5)."),
+    ],
+    ids=[
+        "KeyError",
+        "TypeError, no longer taken for a user error",
+        "ValueError, which is not a UsageError",
+    ],
 )
 def test_an_unexpected_failure_is_one_line_that_says_how_to_see_the_traceback(
     bug, monkeypatch, capsys
@@ -254,29 +267,58 @@ def test_an_unexpected_failure_is_one_line_that_says_how_to_see_the_traceback(
         cli.main(["figures"])
 
 
+def test_copy_trains_on_the_device_it_is_given_and_prints_the_copies(
+    monkeypatch, run_cli
+):
+    """The copy command hands --device to the book's train_copy_task (here standing
+    in with the copy model trained once a session), then prints the book's copies."""
+    model, history, _ = trained_copy_task(0)  # the default settings, seed 0
+    handed = []
+
+    def train_copy_task(config, *, quiet, device):
+        handed.append((config, device))
+        return model, history
+
+    monkeypatch.setattr(commands, "train_copy_task", train_copy_task)
+    result = run_cli("copy", "--device", "cpu", "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert handed == [(tat.CopyTaskConfig(), torch.device("cpu"))]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("source") and len(lines) == 7  # 5 copies
+    assert "exact copy: yes" in lines[-1] and "(differs)" not in result.stdout
+
+
 def test_help_lists_the_copy_and_figures_commands(run_cli):
     result = run_cli("--help")
     assert result.returncode == 0
     assert "copy" in result.stdout and "figures" in result.stdout
 
 
-def test_help_answers_without_importing_torch():
-    """`python -m workshop --help` parses before it imports anything heavy: torch,
-    the book and the workshop's own modules wait for a command to run (the bench
-    times it: benchmarks/figures_footprint.py's cli_help row)."""
+def test_every_help_answers_without_importing_torch():
+    """`python -m workshop --help`, and COMMAND --help for every command, parse
+    before they import anything heavy: torch, the book and the workshop's own
+    modules wait for a command to run (the bench times `train --help`, once the
+    slowest: benchmarks/figures_footprint.py's cli_help row)."""
     code = (
         "import contextlib, io, json, sys\n"
-        "from workshop.cli import main\n"
-        "quiet = contextlib.redirect_stdout(io.StringIO())\n"
-        "with contextlib.suppress(SystemExit), quiet:\n"
-        "    main(['--help'])\n"
-        "print(json.dumps(sorted(sys.modules)))\n"
+        "from workshop.cli import build_parser, main\n"
+        "names, shown = build_parser().command_names, []\n"
+        "for argv in [[], *([name] for name in names)]:\n"
+        "    out = io.StringIO()\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(out):\n"
+        "        main([*argv, '--help'])\n"
+        "    shown.append(out.getvalue())\n"
+        "print(json.dumps([names, shown, sorted(sys.modules)]))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
-    loaded = json.loads(result.stdout)
+    names, shown, loaded = json.loads(result.stdout)
+    assert "train" in names and "reproduce" in names and len(shown) == len(names) + 1
+    for argv, text in zip([[], *([name] for name in names)], shown, strict=True):
+        assert text.startswith(" ".join(["usage: python -m workshop", *argv])), text
+    assert "settings: smoke, quick, multi30k, base" in shown[1 + names.index("train")]
     assert "argparse" in loaded and "workshop.cli" in loaded  # the control
     heavy = ("torch", "numpy", "the_annotated_transformer", "workshop.commands")
     assert [name for name in heavy if name in loaded] == []
@@ -284,6 +326,31 @@ def test_help_answers_without_importing_torch():
 
 def test_the_command_lines_data_variable_is_the_books():
     assert cli.DATA_ENV == tat.DATA_ENV
+
+
+def test_the_command_lines_profile_names_are_the_settings_profiles():
+    assert cli.PROFILE_NAMES == tuple(settings.TRAIN_PROFILES)
+
+
+@pytest.mark.parametrize("command", ["translate", "evaluate"])
+@pytest.mark.parametrize("alpha", ["nan", "-2", "inf", "x"])
+def test_an_alpha_that_is_no_finite_number_of_at_least_0_exits_2_in_one_line(
+    command, alpha, run_cli
+):
+    argv = [command, "--checkpoint", "c.pt", "--beam", "4", f"--alpha={alpha}"]
+    assert_one_line_error(run_cli(*argv), "--alpha", "finite number >= 0", repr(alpha))
+
+
+def test_the_books_own_check_of_a_users_setting_is_a_usage_error():
+    """The book's check_positive_int raises a plain ValueError, which alone would be
+    unexpected (exit 1); on a setting the user passed, the workshop raises it as a
+    UsageError (exit 2), with the book's message."""
+    with pytest.raises(ValueError) as plain:
+        tat.check_positive_int(d_model=0)
+    assert errors.exit_status(plain.value) == 1
+    with pytest.raises(errors.UsageError, match="d_model must be a positive") as usage:
+        settings.RunConfig.from_profile("smoke", d_model=0)
+    assert errors.exit_status(usage.value) == 2
 
 
 def test_no_command_exits_2_in_one_line_listing_the_commands():
@@ -509,32 +576,39 @@ def test_resume_refuses_to_change_a_runs_settings_or_to_train_nothing(
     assert (run / "last.pt").read_bytes() == before
 
 
-def test_a_run_stopped_by_its_time_limit_resumes_and_finishes(
-    multi30k_dir, tmp_path, capsys
+def test_a_run_stopped_by_its_time_limit_finishes_with_the_command_it_prints(
+    multi30k_dir, tmp_path, capsys, run_cli
 ):
-    """The time limit guards one invocation, not the run: a run it stopped goes on
-    with --resume and a limit of its own, and a resume that would train nothing
-    under the run's limit says so and exits non-zero, leaving last.pt alone."""
+    """The time limit guards one invocation, not the run: the command the stop
+    line gives, a plain --resume, trains the run to its end. --resume --time-limit
+    sets a limit for that invocation alone; one shorter than the run's last epoch
+    would start no epoch, and is refused saying so, with last.pt left alone."""
     run = tmp_path / "run"
     # Minutes: one epoch is longer. Three epoch files kept, for the average below.
     config = smoke_config(epochs=3, time_limit=1e-3, keep_checkpoints=3)
-    training.train_model(config, multi30k_dir, run, quiet=True)
+    training.train_model(config, multi30k_dir, run)
+    printed = capsys.readouterr().out
     stopped = checkpoints.load_checkpoint(run / "last.pt")
     assert stopped["epoch"] == 0 and "stopped after 1 of the 3" in stopped["stopped"]
+    # The run's limit is not kept: a resume has none unless it is given one.
+    assert run_folders.resume_config(run).time_limit is None
+    assert run_folders.resume_config(run, time_limit=30.0).time_limit == 30.0
     before = (run / "last.pt").read_bytes()
-    capsys.readouterr()
-    assert cli.main(train_argv(multi30k_dir, run, "--resume")) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "would train nothing" in err[0], err
-    assert "--time-limit" in err[0]
+    too_short = train_argv(multi30k_dir, run, "--resume", "--time-limit", "1e-5")
+    assert_one_line_error(run_cli(*too_short), "would start no epoch", "--time-limit")
     assert (run / "last.pt").read_bytes() == before
-    argv = train_argv(multi30k_dir, run, "--resume", "--time-limit", "30", "--quiet")
-    assert cli.main(argv) == 0
+    (advice,) = re.findall(r"Continue with `([^`]+)`", printed)
+    python, *argv = shlex.split(advice)
+    assert python == "python" and argv[:3] == ["-m", "workshop", "train"]
+    assert "--time-limit" not in argv
+    resumed = run_cli(*argv[2:])  # the command as printed, after `python -m workshop`
+    assert resumed.returncode == 0, resumed.stderr
+    assert "1 of 3 epochs done" in resumed.stdout
     finished = checkpoints.load_checkpoint(run / "last.pt")
     assert [r["epoch"] for r in finished["history"]] == [1, 2, 3]
     assert finished["epoch"] == 2 and "stopped" not in finished
-    # Its epochs, saved under two time limits, still average together: the limit
-    # is no setting of the model.
+    # Its epochs, saved under different time limits, still average together: the
+    # limit is no setting of the model.
     epochs = [str(path) for path in run_folders.epoch_files(run)]
     assert len(epochs) == 3
     assert cli.main(["average", *epochs, "--out", str(tmp_path / "mean.pt")]) == 0
@@ -640,6 +714,69 @@ def test_evaluate_command_without_a_data_folder_says_what_to_pass(
     assert "--data-dir" in capsys.readouterr().err
 
 
+def never_run(*args, **kwargs):
+    """Stands in for what a command runs, which must not start: its inputs are
+    refused first."""
+    raise AssertionError("started before its inputs were checked")
+
+
+class NoTranslator:
+    """A Translator that must not translate: its output is refused first."""
+
+    translate = staticmethod(never_run)
+
+
+@pytest.mark.parametrize(
+    "output, expected",
+    [
+        ("notes.txt/test.en", "notes.txt is a file, not a folder"),
+        ("notes.txt/deeper/test.en", "notes.txt is a file, not a folder"),
+        (".", "is a folder"),
+    ],
+)
+def test_evaluate_with_an_output_it_cannot_write_refuses_before_translating(
+    output, expected, tmp_path, monkeypatch, run_cli
+):
+    """Through the command line (before torch is imported) and through the library
+    (before a sentence is translated): one line, exit 2, nothing written."""
+    (tmp_path / "notes.txt").write_text("mine")
+    write_split(tmp_path, "handmade", HANDMADE_PAIRS)
+    monkeypatch.setattr(commands, "evaluate", never_run)
+    target = str(tmp_path / output)
+    argv = ["evaluate", "--checkpoint", "c.pt", "--output", target]
+    assert_one_line_error(run_cli(*argv), "--output", expected, "name another")
+    with pytest.raises(errors.UsageError, match=expected):
+        results.evaluate(NoTranslator(), tmp_path, "handmade", output=target)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_evaluate_makes_the_missing_folders_of_its_output(
+    trained_checkpoint, mini_split, tmp_path, run_cli
+):
+    folder, pairs = mini_split
+    output = tmp_path / "new" / "folders" / "hyp.en"
+    argv = ["evaluate", "--checkpoint", str(trained_checkpoint), "--data-dir"]
+    result = run_cli(*argv, str(folder), "--split", "mini", "--output", str(output))
+    assert result.returncode == 0, result.stderr
+    assert len(output.read_text(encoding="utf-8").splitlines()) == len(pairs)
+
+
+def test_train_into_an_existing_file_refuses_before_reading_data(
+    tmp_path, monkeypatch, run_cli
+):
+    (tmp_path / "notes.txt").write_text("mine")
+    monkeypatch.setattr(commands, "train_model", never_run)
+    argv = ["train", "--data-dir", str(tmp_path / "no_data")]
+    result = run_cli(*argv, "--out", str(tmp_path / "notes.txt"))
+    assert_one_line_error(result, "--out", "is a file", "name another")
+    monkeypatch.undo()
+    config = settings.RunConfig.from_profile("smoke")
+    with pytest.raises(errors.UsageError, match="is a file"):  # the data unread
+        training.train_model(config, tmp_path / "no_data", tmp_path / "notes.txt")
+    assert names_in(tmp_path) == ["notes.txt"]
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 # ---------------------------------------------------------------------------
 # attention
 
@@ -702,9 +839,14 @@ def test_reproduce_rejects_bad_lists_of_choices(tmp_path, capsys, flag, value):
     assert f"{flag} takes numbers separated by commas, each " in err[0]
 
 
-def test_reproduce_without_a_trained_run_says_so(tmp_path):
+def test_reproduce_without_a_trained_run_says_so(tmp_path, run_cli):
     with pytest.raises(FileNotFoundError, match="no trained run"):
         results.reproduce("smoke", tmp_path, tmp_path / "empty", None, train=False)
+    argv = ["reproduce", "--no-train", "--out", str(tmp_path / "empty")]
+    result = run_cli(*argv, "--results", str(tmp_path / "results"))
+    line = assert_one_line_error(result, "no trained run", "drop --no-train", status=1)
+    assert "train=True" not in line  # the command line's words, not the library's
+    assert names_in(tmp_path) == []
 
 
 def test_reproduce_into_a_folder_holding_a_run_exits_2_and_trains_nothing(
@@ -1161,16 +1303,28 @@ def test_out_of_memory_gets_its_own_line_saying_what_to_lower(
 
 
 def test_translate_searches_with_the_beam_and_alpha_it_is_given(
-    translator, smoke_run, run_cli
+    translator, smoke_run, monkeypatch, run_cli
 ):
+    """--beam 3 --alpha 1.5 runs the beam search with those (recorded as it runs),
+    and prints what it finds; without --beam, no beam search runs."""
+    searched, search = [], translation.beam_search
+
+    def recorded_search(*args, **options):
+        searched.append((options["beam_size"], options["alpha"]))
+        return search(*args, **options)
+
+    monkeypatch.setattr(translation, "beam_search", recorded_search)
     sentences = [SENTENCE, "Zwei Männer spielen Fußball."]
     checkpoint = str(smoke_run.out / "last.pt")
     argv = ["translate", "--checkpoint", checkpoint, "--device", "cpu", *sentences]
     result = run_cli(*argv, "--beam", "3", "--alpha", "1.5")
     assert result.returncode == 0, result.stderr
+    assert searched == [(3, 1.5)]  # one batch of both sentences
     beam = translator.translate(sentences, **translation.decode_options(3, 1.5))
     assert result.stdout.splitlines() == beam
+    searched.clear()
     greedy = run_cli(*argv).stdout.splitlines()
+    assert searched == []
     assert greedy == translator.translate(sentences, **translation.decode_options())
 
 
@@ -1196,6 +1350,17 @@ def full_disk_at_the_first_save(monkeypatch):
     monkeypatch.setattr(torch, "save", save)
 
 
+def torch_fails_in_the_first_epoch(monkeypatch):
+    """Make a run's first epoch raise the ValueError torch raises for a loss over
+    tensors of mismatched shapes: a failure inside a run, not the user's input."""
+
+    def run_epoch(*args, **kwargs):
+        logits, targets = torch.zeros(2, 3), torch.zeros(5, dtype=torch.long)
+        return torch.nn.functional.cross_entropy(logits, targets)
+
+    monkeypatch.setattr(training, "run_epoch", run_epoch)
+
+
 def raise_in(monkeypatch, name, error):
     """Make commands.NAME (what a command runs) raise `error`."""
 
@@ -1213,7 +1378,7 @@ BAD_INPUT = {
     "1 a resume whose limit is shorter than an epoch": (
         lambda it: [*it.train, "--resume", "--epochs", "3", "--time-limit", "1e-5"],
         2,
-        ["would train nothing", "--time-limit"],
+        ["would start no epoch and train nothing", "--time-limit"],
     ),
     "2 an average over a run's last.pt": (
         lambda it: ["average", str(it.run / "epoch_002.pt"), "--out", str(it.last)],
@@ -1239,6 +1404,14 @@ BAD_INPUT = {
         2,
         ["--limit 5", "--results DIR"],
     ),
+    "6 a ValueError of torch's inside a run": (
+        lambda it: (
+            torch_fails_in_the_first_epoch(it.monkeypatch),
+            [*it.train, "--resume", "--epochs", "3", "--quiet"],
+        )[-1],
+        1,
+        ["ValueError: Expected input batch_size (2)", "report it"],
+    ),
     "6 out of memory while training": (
         lambda it: (
             raise_in(it.monkeypatch, "train_model", torch.OutOfMemoryError("CUDA")),
@@ -1251,6 +1424,46 @@ BAD_INPUT = {
         lambda it: ["translate", "--checkpoint", str(it.last), "--beam", "0", "x"],
         2,
         ["--beam", "at least 1"],
+    ),
+    "7 translate with an alpha that is no number": (
+        lambda it: ["translate", "--checkpoint", str(it.last), "--alpha", "nan", "x"],
+        2,
+        ["--alpha", "finite number >= 0", "'nan'"],
+    ),
+    "7 evaluate with a negative alpha": (
+        lambda it: ["evaluate", "--checkpoint", str(it.last), "--alpha", "-2"],
+        2,
+        ["--alpha", "finite number >= 0", "'-2'"],
+    ),
+    "7 copy on a device this machine lacks": (
+        lambda it: (
+            it.monkeypatch.setattr(torch.cuda, "is_available", lambda: False),
+            ["copy", "--device", "cuda"],
+        )[-1],
+        2,
+        ["--device", "CUDA is not available", "--device cpu"],
+    ),
+    "7 evaluate --output inside a file": (
+        lambda it: (
+            (it.tmp / "notes.txt").write_text("mine"),
+            ["evaluate", "--checkpoint", str(it.last), "--output"]
+            + [str(it.tmp / "notes.txt" / "test.en")],
+        )[-1],
+        2,
+        ["--output", "notes.txt is a file, not a folder"],
+    ),
+    "7 evaluate --output a folder": (
+        lambda it: ["evaluate", "--checkpoint", str(it.last), "--output", str(it.run)],
+        2,
+        ["--output", "run is a folder"],
+    ),
+    "7 train --out an existing file": (
+        lambda it: (
+            (it.tmp / "notes.txt").write_text("mine"),
+            ["train", "--out", str(it.tmp / "notes.txt")],
+        )[-1],
+        2,
+        ["--out", "notes.txt is a file"],
     ),
     "7 a device this machine lacks": (
         lambda it: (
@@ -1285,6 +1498,11 @@ BAD_INPUT = {
         )[-1],
         1,
         ["is full", "MB for last.pt", "free there", "still holds epoch 2, intact"],
+    ),
+    "8 reproduce --no-train where there is no run": (
+        lambda it: ["reproduce", "--no-train", "--out", it.new],
+        1,
+        ["no trained run", "drop --no-train"],
     ),
     # The earlier ones
     "a resume that changes a setting": (

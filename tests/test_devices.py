@@ -209,6 +209,7 @@ def test_a_run_on_mps_takes_one_process(apple_silicon):
 @pytest.mark.parametrize(
     "command, argv, runner",
     [
+        ("copy", [], "train_copy_task"),
         ("train", ["--out", "run"], "train_model"),
         ("translate", ["--checkpoint", "c.pt", "Ein Hund."], "load_translator"),
         ("evaluate", ["--checkpoint", "c.pt"], "evaluate"),
@@ -383,8 +384,9 @@ class HostReads(TorchFunctionMode):
 
 @pytest.mark.parametrize("decode", [tat.greedy_decode, tat.cached_greedy_decode])
 def test_greedy_decoding_waits_for_the_device_once_a_step(decode):
-    """One wait a step, to ask whether every sentence has ended; none without an
-    end symbol to look for."""
+    """One wait a step, to ask whether every sentence has ended (none without an
+    end symbol to look for), and one before the first, when encode checks the
+    source mask's contents."""
     model, src = cpu_model().eval(), torch.randint(2, VOCAB, (3, 7))
     mask = tat.padding_mask(src, PAD)
     never = VOCAB + 1  # an end symbol no token is: every step runs
@@ -392,7 +394,7 @@ def test_greedy_decoding_waits_for_the_device_once_a_step(decode):
         out = decode(model, src, mask, 6, START, end_symbol=never)
     with HostReads() as endless, torch.no_grad():
         decode(model, src, mask, 6, START)
-    assert out.size(1) == 6 and ended.reads == 5 and endless.reads == 0  # 5 steps
+    assert out.size(1) == 6 and ended.reads == 1 + 5 and endless.reads == 1  # 5 steps
     assert ended.copies == endless.copies == 0
 
 
@@ -421,11 +423,12 @@ def test_tf32_is_used_on_gpus_that_have_it(device, capability, expected, monkeyp
 def test_the_batched_beam_search_reads_and_copies_once_a_step():
     """Each step reads its candidates once and copies the chosen ones back once;
     a hypothesis that ends is read once more, to keep its ids, and the best ids of
-    every sentence go to the device in one copy at the end."""
+    every sentence go to the device in one copy at the end. encode reads once, to
+    check the source mask."""
     model, src = cpu_model().eval(), torch.randint(2, VOCAB, (3, 7))
     mask = tat.padding_mask(src, PAD)
     never, k, steps = VOCAB + 1, 2, 5  # no hypothesis ends before the last step
     with HostReads() as host:
         translation.beam_search(model, src, mask, steps + 1, START, never, beam_size=k)
     ended = src.size(0) * k  # at the last step, every sentence's k hypotheses
-    assert (host.reads, host.copies) == (steps + ended, steps + 1)
+    assert (host.reads, host.copies) == (1 + steps + ended, steps + 1)

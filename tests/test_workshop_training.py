@@ -264,8 +264,8 @@ def test_a_full_disk_says_where_what_the_checkpoints_need_and_what_is_intact(
     """A resumed run's third epoch finds the disk full while it writes epoch_003.pt
     (the first save) or last.pt (the second): one line that says where, what the two
     checkpoints need and what is free, and that last.pt, as it was, holds epoch 2;
-    no temporary file is left. The sizes it states are those a run with room then
-    writes."""
+    no temporary file is left, nor epoch_003.pt (an epoch is kept whole or not at
+    all). The sizes it states are those a run with room then writes."""
     run = tmp_path / "run"
     shutil.copytree(smoke_run.out, run)
     before = (run / "last.pt").read_bytes()
@@ -280,8 +280,6 @@ def test_a_full_disk_says_where_what_the_checkpoints_need_and_what_is_intact(
     assert (run / "last.pt").read_bytes() == before
     assert checkpoints.load_checkpoint(run / "last.pt")["epoch"] == 1
     kept = ["epoch_002.pt", "last.pt", "vocab_src.json", "vocab_tgt.json"]
-    if failing == 2:  # the epoch's own checkpoint was written whole before
-        kept.insert(1, "epoch_003.pt")
     assert names_in(run) == kept
     monkeypatch.undo()
     assert cli.main([*argv, "--resume", "--epochs", "3", "--quiet"]) == 0
@@ -290,6 +288,31 @@ def test_a_full_disk_says_where_what_the_checkpoints_need_and_what_is_intact(
         # The message rounds to 0.1 MB (0.05 either way); the checkpoints written now
         # differ from the refused ones only in a few bytes of their records.
         assert abs(stated_megabytes(line, name) - written) <= 0.051, name
+
+
+@pytest.mark.parametrize("failing", [1, 2], ids=["epoch_001.pt", "last.pt"])
+def test_a_full_disk_in_the_first_epoch_leaves_a_folder_that_trains_again(
+    failing, multi30k_dir, tmp_path, monkeypatch
+):
+    """A new run's first epoch finds the disk full while it writes epoch_001.pt or,
+    once that is written, last.pt: the error says no last.pt was written yet, and
+    the folder holds no checkpoint, so the same run, once there is room, trains
+    (an epoch file without a last.pt would be taken for a run, which --resume
+    could not continue)."""
+    run, config = tmp_path / "run", smoke_config(epochs=1)
+    fill_the_disk_at_save(monkeypatch, failing, wrapped=True)
+    with pytest.raises(files.DiskFullError, match="no last.pt was written yet"):
+        training.train_model(config, multi30k_dir, run, quiet=True)
+    assert names_in(run) == []  # no checkpoint, no temporary file
+    monkeypatch.undo()
+    history = training.train_model(config, multi30k_dir, run, quiet=True)
+    assert [r["epoch"] for r in history] == [1]
+    assert names_in(run) == [
+        "epoch_001.pt",
+        "last.pt",
+        "vocab_src.json",
+        "vocab_tgt.json",
+    ]
 
 
 def git_head():

@@ -17,7 +17,7 @@ from the_annotated_transformer import (
     load_weights,
     without_positional_tables,
 )
-from workshop.errors import DataError
+from workshop.errors import DataError, UsageError
 from workshop.files import atomic_write, atomic_write_text
 from workshop.settings import RESUMABLE, RunConfig
 
@@ -185,13 +185,13 @@ def average_checkpoints(paths, out):
     """
     paths, out = [Path(p) for p in paths], Path(out)
     if not paths:
-        raise ValueError("average: name at least one checkpoint to average.")
+        raise UsageError("average: name at least one checkpoint to average.")
     overwritten = [p for p in paths if p.resolve() == out.resolve()]
     if overwritten or is_run_checkpoint_name(out):
         what = "a name a training run gives its own checkpoints (last.pt, epoch_NNN.pt)"
         if overwritten:
             what = "one of the checkpoints it averages"
-        raise ValueError(
+        raise UsageError(
             f"average: --out {out} is {what}; an average written there would "
             "replace it, or be taken for a run's own. Write it to another file, e.g. "
             f"--out {out.with_name('averaged.pt')}."

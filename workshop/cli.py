@@ -12,14 +12,19 @@ command line that cannot work, 1 for a failure while it ran, 130 when interrupte
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
-from workshop.errors import exit_status, is_out_of_memory
+from workshop.errors import exit_status, is_expected, is_out_of_memory
+from workshop.files import why_unwritable
 
-# The book's DATA_ENV (tests/test_cli.py holds them equal): named here so that the
-# help is written without importing the book, and with it torch.
+# The book's DATA_ENV and the names of workshop.settings.TRAIN_PROFILES, in its
+# order (tests/test_cli.py holds each equal to its source): named here so that the
+# help is written, and a profile's name checked, without importing the book or the
+# settings, and with them torch.
 DATA_ENV = "ANNOTATED_TRANSFORMER_DATA"
+PROFILE_NAMES = ("smoke", "quick", "multi30k", "base")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,6 +58,20 @@ def _positive_float(text):
     return value
 
 
+def _alpha(text):
+    """argparse type: beam search's length-penalty exponent, a finite number of
+    at least 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(
+            f"alpha must be a finite number >= 0, got {text!r}"
+        )
+    return value
+
+
 def _device(text):
     """argparse type: a device this machine has ("cpu", "cuda", "cuda:1", "mps");
     torch is imported to ask, only when the option is given."""
@@ -62,22 +81,6 @@ def _device(text):
         return parse_device(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
-
-
-class _ProfileNames:
-    """The names of workshop.settings.TRAIN_PROFILES, as argparse's choices: read
-    (importing torch) only when a command names a profile, or its help is shown."""
-
-    def _names(self):
-        from workshop.settings import TRAIN_PROFILES
-
-        return sorted(TRAIN_PROFILES)
-
-    def __iter__(self):
-        return iter(self._names())
-
-    def __contains__(self, name):
-        return name in self._names()
 
 
 DEVICE_HELP = "cpu, cuda, cuda:N or mps (default: the GPUs where there are any)"
@@ -104,6 +107,7 @@ def build_parser():
     )
     copy_cmd.add_argument("--seed", type=int, help="(default: the book's)")
     copy_cmd.add_argument("--quiet", action="store_true", help="no per-epoch lines")
+    _add_device(copy_cmd)
     download = commands.add_parser("download", help="fetch and verify Multi30k")
     download.add_argument("--data-dir", help=DATA_DIR_HELP)
     download.add_argument(
@@ -124,7 +128,7 @@ def build_parser():
         "--beam", type=_positive_int, default=1, help="beam size (1: greedy, default)"
     )
     trans.add_argument(
-        "--alpha", type=float, default=0.6, help="beam's length penalty α (0.6)"
+        "--alpha", type=_alpha, default=0.6, help="beam's length penalty α (0.6)"
     )
     _add_device(trans)
     trans.add_argument("sentences", nargs="*", help="sentences (default: stdin)")
@@ -143,7 +147,7 @@ def _add_train_command(commands):
     train.add_argument("--out", required=True, help="folder for checkpoints")
     train.add_argument(
         "--profile",
-        choices=_ProfileNames(),
+        choices=PROFILE_NAMES,
         metavar="NAME",
         help=PROFILE_HELP + " (default: quick)",
     )
@@ -162,7 +166,8 @@ def _add_train_command(commands):
         "--time-limit",
         type=_positive_float,
         help="minutes this invocation may train: it starts no epoch that would end "
-        "later (a resumed run counts from its own start)",
+        "later (a guard of this invocation alone: --resume trains to the end "
+        "without one)",
     )
     train.add_argument(
         "--vocab", choices=("word", "bpe"), help="words (default) or joint subwords"
@@ -196,7 +201,7 @@ def _add_results_commands(commands):
     )
     evaluate_cmd.add_argument("--output", help="write the translations to this file")
     evaluate_cmd.add_argument("--batch-size", type=_positive_int, default=64)
-    evaluate_cmd.add_argument("--alpha", type=float, default=0.6, help="beam's α")
+    evaluate_cmd.add_argument("--alpha", type=_alpha, default=0.6, help="beam's α")
     _add_device(evaluate_cmd)
     repro = commands.add_parser(
         "reproduce", help="train, average, choose on val, score test: a Results row"
@@ -204,7 +209,7 @@ def _add_results_commands(commands):
     repro.add_argument(
         "--profile",
         default="multi30k",
-        choices=_ProfileNames(),
+        choices=PROFILE_NAMES,
         metavar="NAME",
         help=PROFILE_HELP + " (default: multi30k)",
     )
@@ -252,15 +257,36 @@ def _add_results_commands(commands):
     attention.add_argument("sentence", help="a German sentence")
 
 
+# The paths each command writes, by option: (the attribute, whether it names a
+# folder). Each is checked before any work (check_combinations).
+WRITTEN = {
+    "train": [("out", True)],
+    "evaluate": [("output", False)],
+    "reproduce": [("out", True), ("results", True), ("images", True)],
+    "average": [("out", False)],
+    "attention": [("out", True)],
+    "figures": [("out", True)],
+}
+
+
 def check_combinations(parser, args):
     """Refuse, as argparse refuses a bad option, combinations of options that
-    cannot work together."""
+    cannot work together, and a path the command would fail to write at its end."""
     if args.command == "reproduce" and args.limit is not None and not args.results:
         parser.error(
             f"reproduce --limit {args.limit} scores only {args.limit} sentences of "
             "each split, which is no result to keep in results/: name another "
             "folder for them with --results DIR"
         )
+    for name, folder in WRITTEN.get(args.command, ()):
+        path = getattr(args, name)
+        reason = None if path is None else why_unwritable(path, folder)
+        if reason:
+            kind = "a folder" if folder else "a file"
+            parser.error(
+                f"{args.command} --{name} {path}: {reason}, so it cannot be written "
+                f"as {kind}; name another"
+            )
 
 
 # What to lower, per command, when the device runs out of memory.
@@ -329,7 +355,7 @@ def _one_line(error, command):
         advice = OUT_OF_MEMORY_ADVICE.get(command, "use another --device")
         what = ". ".join(text.split(". ")[:3]).rstrip(".")  # what, how much, room
         return f"out of memory ({what}): {advice}."
-    if isinstance(error, ValueError | OSError):  # DataError is a ValueError
+    if is_expected(error):  # the message says it all
         return text
     return (
         f"{type(error).__name__}: {text} (unexpected: set "

@@ -4,17 +4,21 @@ cli.py, this module imports torch, the book and the rest of the workshop."""
 
 from __future__ import annotations
 
+import math
 import sys
+import time
 from pathlib import Path
 
 from the_annotated_transformer import (
     MULTI30K_URL,
     CopyTaskConfig,
+    copy_examples,
     data_dir_from_env,
     default_data_dir,
-    example_simple_model,
+    train_copy_task,
 )
 from workshop.checkpoints import average_checkpoints
+from workshop.errors import UsageError
 from workshop.figures import save_attention_maps, save_figures
 from workshop.multi30k import download_multi30k
 from workshop.results import evaluate, reproduce
@@ -41,9 +45,11 @@ def numbers(text, flag, kind, example):
     except ValueError:
         values = ()
     whole = kind is int
-    if not values or any(value < 1 if whole else value <= 0 for value in values):
-        each = "at least 1" if whole else "above 0"
-        raise ValueError(
+    if not values or not all(
+        value >= 1 if whole else math.isfinite(value) and value > 0 for value in values
+    ):
+        each = "at least 1" if whole else "a finite number above 0"
+        raise UsageError(
             f"{flag} takes numbers separated by commas, each {each}, like {example}; "
             f"got {text!r}."
         )
@@ -51,12 +57,25 @@ def numbers(text, flag, kind, example):
 
 
 def copy(args):
+    """The book's copy task, as its example_simple_model runs it, on --device."""
     defaults = CopyTaskConfig()
     config = CopyTaskConfig(
         epochs=args.epochs or defaults.epochs,
         seed=defaults.seed if args.seed is None else args.seed,
     )
-    _, exact = example_simple_model(config, quiet=args.quiet)
+    start = time.perf_counter()
+    model, history = train_copy_task(config, quiet=args.quiet, device=args.device)
+    src, out = copy_examples(model, config)
+    print("source                          -> decoded")
+    for s, o in zip(src.tolist(), out.tolist(), strict=True):
+        mark = "" if s == o else "   (differs)"
+        print(f"{' '.join(map(str, s)):31s} -> {' '.join(map(str, o))}{mark}")
+    exact, last = bool((src == out).all()), history[-1]
+    print(
+        f"final train loss {last['train loss']:.4f}, validation NLL "
+        f"{last['val nll']:.4f}; exact copy: {'yes' if exact else 'NO'}; "
+        f"{time.perf_counter() - start:.1f} s"
+    )
     return 0 if exact else 1
 
 
@@ -111,7 +130,7 @@ def sentences_to_translate(arguments):
             print("German sentences, one per line; end with Ctrl-D:", file=sys.stderr)
         sentences = [line.strip() for line in sys.stdin if line.strip()]
     if not sentences:
-        raise ValueError(
+        raise UsageError(
             "translate: no sentences given. Pass them as arguments, or one per line "
             "on standard input."
         )

@@ -27,6 +27,7 @@ from the_annotated_transformer import (
     chart_subsequent_mask,
     require,
 )
+from workshop.errors import UsageError
 from workshop.files import atomic_write_bytes
 from workshop.translation import load_translator
 
@@ -74,9 +75,9 @@ def attention_maps(translator, sentence, layer=0, heads=None):
     n_layers, n_heads = table["layer"].max() + 1, table["head"].max() + 1
     heads = list(range(n_heads)) if heads is None else list(heads)
     in_range = -n_layers <= layer < n_layers
-    require(in_range, f"layer must be in 0..{n_layers - 1}, got {layer}.")
+    require(in_range, f"layer must be in 0..{n_layers - 1}, got {layer}.", UsageError)
     valid = heads and all(0 <= head < n_heads for head in heads)
-    require(valid, f"heads must be in 0..{n_heads - 1}, got {heads}.")
+    require(valid, f"heads must be in 0..{n_heads - 1}, got {heads}.", UsageError)
     layer %= n_layers
     charts = {}
     for kind, name in KINDS.items():
@@ -633,7 +634,7 @@ def save_figures(out_dir="images", names=None, *, quiet=False):
     charts = {**book_diagrams(), **book_charts()}
     unknown = sorted(set(names or ()) - set(charts))
     if unknown:
-        raise ValueError(f"unknown figure(s) {unknown}; choose from {sorted(charts)}.")
+        raise UsageError(f"unknown figure(s) {unknown}; choose from {sorted(charts)}.")
     written = []
     for name in names or charts:
         path = save_png(charts[name](), out_dir / f"{name}.png")

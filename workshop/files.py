@@ -112,6 +112,26 @@ def disk_full(path, written):
     )
 
 
+def why_unwritable(path, folder=False):
+    """Why `path` cannot be written, as a file (or, folder=True, as a folder that
+    holds files), as a phrase for a message; None when nothing says it cannot.
+
+    Checked before any work, so that a long command does not fail at its end: the
+    path may not be a folder where a file is meant (or a file where a folder is),
+    the nearest part of it that exists must be a folder, and one this user may
+    write in. Folders that do not exist yet are made when it is written.
+    """
+    path = Path(path).absolute()
+    if path.is_dir() != folder and path.exists():
+        return f"{path} is a {'file' if folder else 'folder'}"
+    existing = path if path.is_dir() else next(p for p in path.parents if p.exists())
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is a folder this user may not write in"
+    return None
+
+
 def atomic_write_bytes(path, data):
     """Write `data` (bytes) to `path` atomically; returns the path."""
     return atomic_write(path, lambda f: f.write(data))

@@ -5,6 +5,7 @@ smaller model buys more epochs and every machine trains the same model)."""
 from __future__ import annotations
 
 import the_annotated_transformer as tat
+from workshop.errors import UsageError
 
 
 def training_flops(model, batches):
@@ -60,7 +61,7 @@ def epochs_for_budget(budget, epoch_flops):
     """The most whole epochs of `epoch_flops` each that `budget` FLOPs pay for."""
     epochs = int(budget // epoch_flops)
     if epochs < 1:
-        raise ValueError(
+        raise UsageError(
             f"flop_budget={budget:.4g} does not pay for one epoch of this model "
             f"({epoch_flops:.4g} training FLOPs): raise the budget or shrink the model."
         )

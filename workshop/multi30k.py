@@ -22,7 +22,7 @@ from the_annotated_transformer import (
     MULTI30K_URL,
     DigestMismatch,
 )
-from workshop.errors import DataError
+from workshop.errors import DataError, UsageError
 
 __all__ = [
     "MULTI30K_SHA256",
@@ -79,7 +79,7 @@ NETWORK_ERRORS = (
 
 
 def checked_base_url(base_url):
-    """`base_url` ending in a slash, or a ValueError (a usage error) when it is no
+    """`base_url` ending in a slash, or a UsageError when it is no
     address to fetch from (http, https or file)."""
     from urllib.parse import urlsplit
 
@@ -89,7 +89,7 @@ def checked_base_url(base_url):
         parts = None
     remote = parts is not None and parts.scheme in ("http", "https") and parts.netloc
     if not (remote or (parts is not None and parts.scheme == "file")):
-        raise ValueError(
+        raise UsageError(
             f"{base_url!r} is not an address to download Multi30k from: give the "
             f"http://, https:// or file:// address of the folder that holds the six "
             f"files (the default is {MULTI30K_URL})."

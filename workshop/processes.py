@@ -17,6 +17,7 @@ from the_annotated_transformer import (
     TokenBudgetBatchSampler,
     check_positive_int,
 )
+from workshop.errors import UsageError, checking_input
 from workshop.precision import AutocastLossCompute
 
 
@@ -135,26 +136,26 @@ def epoch_seed(seed, epoch, rank=0):
 
 def parse_device(text):
     """`text` ("cpu", "cuda", "cuda:1", "mps") as a device this machine has; a
-    ValueError that says what is wrong otherwise. MPS (Apple silicon's GPU) trains
+    UsageError that says what is wrong otherwise. MPS (Apple silicon's GPU) trains
     and translates in float32."""
     try:
         device = torch.device(text)
     except RuntimeError:  # not a device torch knows
         device = None
     if device is None or device.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"{text!r} is not cpu, cuda, cuda:N or mps")
+        raise UsageError(f"{text!r} is not cpu, cuda, cuda:N or mps")
     if device.type == "mps":
         if not torch.backends.mps.is_available():
-            raise ValueError(
+            raise UsageError(
                 "MPS (the GPU of Apple silicon, macOS 12.3 or later) is not "
                 "available on this machine; use --device cpu"
             )
         return torch.device("mps")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device.type == "cuda" and count == 0:
-        raise ValueError("CUDA is not available on this machine; use --device cpu")
+        raise UsageError("CUDA is not available on this machine; use --device cpu")
     if device.type == "cuda" and (device.index or 0) >= count:
-        raise ValueError(f"this machine has cuda:0 to cuda:{count - 1}")
+        raise UsageError(f"this machine has cuda:0 to cuda:{count - 1}")
     return device
 
 
@@ -180,9 +181,10 @@ def free_port():
 def check_nprocs(nprocs, device=None):
     """Refuse more processes than the GPUs of a run on GPUs (the default where there
     are any) or the cores of a run on the CPU."""
-    check_positive_int(nprocs=nprocs)
+    with checking_input():
+        check_positive_int(nprocs=nprocs)
     if device_for(0, device).type == "mps" and nprocs > 1:
-        raise ValueError(
+        raise UsageError(
             f"--nprocs {nprocs}: several processes need CPU cores or CUDA GPUs; on "
             "MPS a run trains in one process (or use --device cpu)."
         )
@@ -191,7 +193,7 @@ def check_nprocs(nprocs, device=None):
     else:
         have, what, instead = os.cpu_count() or 1, "CPU cores", ""
     if nprocs > have:
-        raise ValueError(
+        raise UsageError(
             f"--nprocs {nprocs}: this machine has {have} {what}; ask for at most "
             f"{have} processes{instead}."
         )

@@ -21,16 +21,16 @@ from the_annotated_transformer import (
     tokenize,
 )
 from workshop.checkpoints import average_checkpoints, load_checkpoint
-from workshop.errors import DataError
+from workshop.errors import DataError, UsageError, checking_input
 from workshop.figures import save_png
-from workshop.files import atomic_write_text
+from workshop.files import atomic_write_text, why_unwritable
 from workshop.multi30k import read_split
 from workshop.provenance import describe_machine, source_commit
 from workshop.run_folders import epoch_files, refuse_existing_run
 from workshop.run_lock import hold_run_folder
 from workshop.settings import RunConfig
 from workshop.training import train_model
-from workshop.translation import decode_options, load_translator
+from workshop.translation import check_alpha, decode_options, load_translator
 
 
 def _listed(numbers):
@@ -61,10 +61,18 @@ def evaluate(
     `alpha` is beam search's length-penalty exponent (unused by greedy decoding);
     `limit` scores only the split's first sentences (for quick checks); `device`
     is where a checkpoint's model translates (default: the book's default_device).
+    An `output` that cannot be written is refused before anything is translated.
     """
     import sacrebleu
 
-    check_positive_int(beam_size=beam_size, batch_size=batch_size)
+    with checking_input():
+        check_positive_int(beam_size=beam_size, batch_size=batch_size)
+    options = decode_options(beam_size, alpha)
+    reason = None if output is None else why_unwritable(output)
+    if reason:
+        raise UsageError(
+            f"evaluate: the translations cannot be written to {output}: {reason}."
+        )
     pairs = read_split(data_dir, split)[:limit]
     if not pairs:
         raise DataError(f"split {split!r} in {data_dir} is empty: nothing to score.")
@@ -74,9 +82,7 @@ def evaluate(
     sources = [de for de, _ in pairs]
     references = [en for _, en in pairs]
     start = time.perf_counter()
-    hypotheses = translator.translate(
-        sources, batch_size=batch_size, **decode_options(beam_size, alpha)
-    )
+    hypotheses = translator.translate(sources, batch_size=batch_size, **options)
     seconds = time.perf_counter() - start
     if output is not None:
         atomic_write_text(output, "".join(line + "\n" for line in hypotheses))
@@ -142,13 +148,13 @@ COMMITTED = (CHECKOUT / "results", CHECKOUT / "images")
 
 
 def refuse_committed_folders(limit, *folders):
-    """A ValueError if `limit` is set and a folder is the checkout's results/ or
+    """A UsageError if `limit` is set and a folder is the checkout's results/ or
     images/: a score on a few sentences is no result to keep there."""
     if limit is None:
         return
     for folder in folders:
         if folder is not None and Path(folder).resolve() in COMMITTED:
-            raise ValueError(
+            raise UsageError(
                 f"reproduce: limit={limit} scores only {limit} sentences of each "
                 f"split, which is no result to write into {folder}, the checkout's "
                 "committed results: name another folder (--results DIR, --images DIR)."
@@ -181,14 +187,17 @@ def reproduce(
     sentences of each split (for quick checks: refused into the checkout's results/
     and images/, and recorded); `device` is where it trains and translates.
     """
-    for k in windows:
-        check_positive_int(window=k)
-    for k in beam_sizes:
-        check_positive_int(beam_size=k)
-    if limit is not None:
-        check_positive_int(limit=limit)
+    with checking_input():
+        for k in windows:
+            check_positive_int(window=k)
+        for k in beam_sizes:
+            check_positive_int(beam_size=k)
+        for alpha in alphas:
+            check_alpha(alpha)
+        if limit is not None:
+            check_positive_int(limit=limit)
     if not alphas or not beam_sizes:
-        raise ValueError("reproduce: give at least one beam size and one alpha.")
+        raise UsageError("reproduce: give at least one beam size and one alpha.")
     if results_dir is not None:  # else nothing is written, images neither
         refuse_committed_folders(limit, results_dir, images_dir)
     out_dir = Path(out_dir)
@@ -204,7 +213,8 @@ def reproduce(
     wall = time.perf_counter() - start
     if not (out_dir / "last.pt").is_file():
         raise FileNotFoundError(
-            f"{out_dir} holds no trained run (no last.pt): train first (train=True)."
+            f"{out_dir} holds no trained run (no last.pt) to report on: drop "
+            "--no-train to train it first, or point --out at a trained run."
         )
     with hold_run_folder(out_dir):  # its averages are written beside its epochs
         record = _report(

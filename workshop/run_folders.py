@@ -14,8 +14,8 @@ from workshop.checkpoints import (
     save_vocab,
     without_positional_tables,
 )
-from workshop.errors import DataError
-from workshop.files import DiskFullError, megabytes
+from workshop.errors import DataError, UsageError
+from workshop.files import DiskFullError, megabytes, why_unwritable
 from workshop.settings import RESUMABLE, RunConfig
 
 # What last.pt must hold for a run to continue from it: an epoch checkpoint's
@@ -43,19 +43,36 @@ def epoch_files(out_dir):
     return [path for _, path in sorted(found)]
 
 
-def refuse_existing_run(out_dir, advice):
-    """Raise a RunExistsError if `out_dir` already holds a training run; `advice`
-    ends the message (what the caller can do instead)."""
-    out_dir = Path(out_dir)
-    held = [p.name for p in [out_dir / "last.pt", *epoch_files(out_dir)] if p.exists()]
-    if held:
-        raise RunExistsError(
-            f"{out_dir} already holds a training run ({', '.join(held[:3])}"
-            f"{', ...' if len(held) > 3 else ''}); {advice}"
+def check_run_folder(out_dir):
+    """Raise a UsageError if `out_dir` cannot be a run's folder (it is a file, or
+    lies under one), before anything is read or written."""
+    reason = why_unwritable(out_dir, folder=True)
+    if reason:
+        raise UsageError(
+            f"--out {out_dir}: {reason}, so it cannot hold a run; name a folder."
         )
 
 
-class RunExistsError(ValueError):
+def refuse_existing_run(out_dir, advice):
+    """Raise a RunExistsError if `out_dir` already holds a training run; `advice`
+    ends the message (what the caller can do instead). Epoch files without a
+    last.pt (a run killed between its two writes) are no run to resume: the
+    message says to move them away."""
+    out_dir = Path(out_dir)
+    held = [p.name for p in [out_dir / "last.pt", *epoch_files(out_dir)] if p.exists()]
+    listed = f"{', '.join(held[:3])}{', ...' if len(held) > 3 else ''}"
+    if held and held[0] != "last.pt":
+        advice = (
+            "without a last.pt it cannot be resumed: move those files away, or give "
+            "another --out for a new run."
+        )
+    if held:
+        raise RunExistsError(
+            f"{out_dir} already holds a training run ({listed}); {advice}"
+        )
+
+
+class RunExistsError(UsageError):
     """A new run would write into the folder of an earlier one."""
 
 
@@ -82,12 +99,20 @@ def check_resumable(checkpoint, path):
         )
 
 
+def last_epoch_seconds(history):
+    """How long the run's last epoch trained (0 before the first): what the time
+    limit expects the next epoch of a resumed invocation to take."""
+    return history[-1]["seconds"] if history else 0.0
+
+
 def resume_config(out_dir, **changes):
     """The settings of the run in `out_dir`, with the changes a resumed run may
-    make (settings.RESUMABLE): more `epochs`, and another `time_limit` for this
-    invocation. Any other change is refused: a resumed run continues the run it
-    resumes. So is a resume that would train nothing: the run has finished its
-    epochs, or its time limit is shorter than one of its epochs.
+    make (settings.RESUMABLE): more `epochs`, and a `time_limit` for this
+    invocation (the run's own is not kept: without one it trains to the end). Any
+    other change is refused: a resumed run continues the run it resumes. So is a
+    resume that would train nothing: the run has finished its epochs, or this
+    invocation's time limit is shorter than the run's last epoch, which
+    training.out_of_time expects the next one to take.
     """
     path = last_checkpoint(out_dir)
     checkpoint = load_checkpoint(path)
@@ -105,27 +130,30 @@ def resume_config(out_dir, **changes):
         listed = ", ".join(
             f"{k}={v!r} (the run has {run.get(k)!r})" for k, v in changed.items()
         )
-        raise ValueError(
+        raise UsageError(
             f"--resume continues {out_dir} with its own settings, and these differ: "
             f"{listed}. Drop those options, or start a new run with another --out."
         )
     config = RunConfig.from_dict(
-        {**run, **{k: changes[k] for k in RESUMABLE if k in changes}}
+        {
+            **run,
+            "time_limit": None,
+            **{k: changes[k] for k in RESUMABLE if k in changes},
+        }
     )
     done = checkpoint["epoch"] + 1
     if config.epochs <= done:
-        raise ValueError(
+        raise UsageError(
             f"--resume: {out_dir} has finished its {done} epochs; pass --epochs N "
             f"with N above {done} to train it further."
         )
-    history = checkpoint["history"]
-    epoch_minutes = history[-1]["seconds"] / 60 if history else 0.0
+    epoch_minutes = last_epoch_seconds(checkpoint["history"]) / 60
     if config.time_limit is not None and epoch_minutes > config.time_limit:
-        raise ValueError(
-            f"--resume: an epoch of {out_dir} takes {epoch_minutes:.1f} minutes, "
-            f"more than the time limit of {config.time_limit:g}, so this would train "
-            "nothing. The limit guards one invocation: pass --time-limit MINUTES "
-            f"above {epoch_minutes:.1f} to go on."
+        raise UsageError(
+            f"--resume: the last epoch of {out_dir} took {epoch_minutes:.3g} minutes, "
+            f"more than --time-limit {config.time_limit:g}, so this would start no "
+            f"epoch and train nothing. Give a limit above {epoch_minutes:.3g} "
+            "minutes, or none to train to the end."
         )
     return config
 
@@ -138,7 +166,10 @@ def save_epoch(out_dir, config, data, module, epoch, progress, record=None):
 
     On a full disk: a DiskFullError that says how much the checkpoints need, how
     much is free, and which checkpoint is still whole (the atomic writes leave the
-    previous last.pt as it was).
+    previous last.pt as it was). An epoch is kept whole or not at all: when its
+    last.pt finds no room, its epoch_NNN.pt, written just before, is removed, so
+    the folder is as the previous epoch left it (no epoch file without a last.pt
+    that a new run would take for a run, and --resume could not continue).
     """
     checkpoint = {
         "model": without_positional_tables(module.state_dict()),
@@ -151,9 +182,14 @@ def save_epoch(out_dir, config, data, module, epoch, progress, record=None):
     if config.vocab == "bpe":
         checkpoint["bpe"] = data.vocab_src.tokenizer.to_str()
     last = checkpoint | progress
+    epoch_path = out_dir / f"epoch_{epoch + 1:03d}.pt"
     try:
-        save_checkpoint(out_dir / f"epoch_{epoch + 1:03d}.pt", checkpoint)
-        save_checkpoint(out_dir / "last.pt", last)
+        save_checkpoint(epoch_path, checkpoint)
+        try:
+            save_checkpoint(out_dir / "last.pt", last)
+        except BaseException:
+            epoch_path.unlink(missing_ok=True)
+            raise
     except DiskFullError as full:
         raise checkpoints_do_not_fit(out_dir, epoch, checkpoint, last, full) from full
     if config.vocab == "bpe":

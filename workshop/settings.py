@@ -10,6 +10,7 @@ from the_annotated_transformer import (
     SPECIALS,
     check_positive_int,
 )
+from workshop.errors import UsageError, checking_input
 
 
 @dataclass
@@ -22,8 +23,9 @@ class RunConfig(tat.TrainConfig):
     bf16: bool = False
     keep_checkpoints: int = 5
     log_every: int = 50
-    # Minutes: start no epoch that would end later. It guards one invocation (a
-    # resumed run counts from its own start, and may set another), not the model.
+    # Minutes: start no epoch that would end later. It guards one invocation, and is
+    # no setting of the run: a resumed run counts from its own start, and trains to
+    # the end unless it is given a limit of its own (run_folders.resume_config).
     time_limit: float | None = None
     vocab: str = "word"  # "word" (spaCy words) or "bpe" (joint subwords, Part 4)
     bpe_vocab_size: int = 8000
@@ -55,7 +57,7 @@ class RunConfig(tat.TrainConfig):
     def from_profile(cls, name="quick", **overrides):
         """The named profile, with some fields overridden."""
         if name not in TRAIN_PROFILES:
-            raise ValueError(
+            raise UsageError(
                 f"unknown profile {name!r}; choose one of {sorted(TRAIN_PROFILES)}."
             )
         return cls.from_dict({**TRAIN_PROFILES[name], "profile": name, **overrides})
@@ -66,7 +68,7 @@ class RunConfig(tat.TrainConfig):
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(
+            raise UsageError(
                 f"unknown TrainConfig field(s) {unknown}; known: {sorted(known)}."
             )
         config = cls(**values)
@@ -77,50 +79,52 @@ class RunConfig(tat.TrainConfig):
         return asdict(self)
 
     def validate(self):
-        check_positive_int(
-            N=self.N,
-            d_model=self.d_model,
-            d_ff=self.d_ff,
-            h=self.h,
-            max_tokens=self.max_tokens,
-            accum_iter=self.accum_iter,
-            warmup=self.warmup,
-            max_len=self.max_len,
-            min_freq=self.min_freq,
-        )
+        """Raise a UsageError that names the first setting that cannot work."""
+        with checking_input():  # the book's check raises a plain ValueError
+            check_positive_int(
+                N=self.N,
+                d_model=self.d_model,
+                d_ff=self.d_ff,
+                h=self.h,
+                max_tokens=self.max_tokens,
+                accum_iter=self.accum_iter,
+                warmup=self.warmup,
+                max_len=self.max_len,
+                min_freq=self.min_freq,
+                bpe_vocab_size=self.bpe_vocab_size,
+            )
         if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 1:
-            raise ValueError(
+            raise UsageError(
                 "keep_checkpoints is how many epoch_NNN.pt files a run keeps and must "
                 f"be a whole number of at least 1, got {self.keep_checkpoints!r}."
             )
         if self.max_len < 3:
-            raise ValueError(
+            raise UsageError(
                 f"max_len must be at least 3 (<s>, a word, </s>), got {self.max_len}."
             )
         if self.epochs < 0:
-            raise ValueError(f"epochs must be >= 0, got {self.epochs}.")
+            raise UsageError(f"epochs must be >= 0, got {self.epochs}.")
         if self.time_limit is not None and not self.time_limit > 0:
-            raise ValueError(
+            raise UsageError(
                 f"time_limit is in minutes and must be > 0 (or None), got "
                 f"{self.time_limit!r}."
             )
         if self.d_model % self.h:
-            raise ValueError(f"d_model={self.d_model} must be divisible by h={self.h}.")
+            raise UsageError(f"d_model={self.d_model} must be divisible by h={self.h}.")
         if self.vocab not in ("word", "bpe"):
-            raise ValueError(f"vocab must be 'word' or 'bpe', got {self.vocab!r}.")
-        check_positive_int(bpe_vocab_size=self.bpe_vocab_size)
+            raise UsageError(f"vocab must be 'word' or 'bpe', got {self.vocab!r}.")
         if self.bpe_vocab_size < len(SPECIALS) + 256:
-            raise ValueError(
+            raise UsageError(
                 f"bpe_vocab_size must be at least {len(SPECIALS) + 256} (the four "
                 f"specials and the 256 bytes), got {self.bpe_vocab_size}."
             )
         if not (isinstance(self.cooldown, (int, float)) and 0 <= self.cooldown <= 1):
-            raise ValueError(
+            raise UsageError(
                 "cooldown is the share of the last steps over which the rate falls "
                 f"to 0 and must be between 0 and 1, got {self.cooldown!r}."
             )
         if self.embedding_init not in (None, "glorot", "normal"):
-            raise ValueError(
+            raise UsageError(
                 "embedding_init must be 'glorot', 'normal' or None (the book's "
                 f"default for the tying asked for), got {self.embedding_init!r}."
             )
@@ -129,12 +133,12 @@ class RunConfig(tat.TrainConfig):
             and not isinstance(self.flop_budget, bool)
             and self.flop_budget > 0
         ):
-            raise ValueError(
+            raise UsageError(
                 "flop_budget counts training FLOPs and must be a number > 0 (or "
                 f"None, to train `epochs` epochs), got {self.flop_budget!r}."
             )
         if self.share_embeddings and self.vocab != "bpe":
-            raise ValueError(
+            raise UsageError(
                 "share_embeddings=True needs one vocabulary for German and English: "
                 "set vocab='bpe' (a joint subword vocabulary), or leave "
                 "share_embeddings off."
@@ -142,7 +146,8 @@ class RunConfig(tat.TrainConfig):
 
 
 # The settings a resumed run may change: more epochs, and the time limit of the new
-# invocation. Checkpoints of one run may differ in these alone.
+# invocation (none unless it is given one). Checkpoints of one run may differ in
+# these alone.
 RESUMABLE = ("epochs", "time_limit")
 
 
@@ -156,8 +161,9 @@ TRAIN_PROFILES = {
     # started at unit size) it buys 8 epochs of the same layers, with no unknown
     # word and 6.0 M parameters instead of 9.2 M. Over the last 40 % of the steps the
     # rate falls linearly to 0, so the 8 epochs end settled rather than at the
-    # paper's still-high rate. bfloat16 where the probe says it pays; the time limit
-    # only guards much slower machines (a run it stops says so).
+    # paper's still-high rate. bfloat16 where the probe says it pays. The time limit
+    # guards the first invocation on much slower machines: a run it stops says so
+    # and how to continue, and `train --resume` then trains to the end.
     "multi30k": dict(
         N=3,
         d_model=256,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shlex
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -60,7 +61,9 @@ from workshop.processes import (
 from workshop.provenance import PRECISIONS, invocation, precision_name
 from workshop.run_folders import (
     check_resumable,
+    check_run_folder,
     last_checkpoint,
+    last_epoch_seconds,
     refuse_existing_run,
     resume_config,
     save_epoch,
@@ -301,7 +304,9 @@ def train(job):
         data.lengths("val"), config.max_tokens, shuffle=False
     )
     began = time.perf_counter()  # this invocation's clock, which the time limit reads
-    epoch_seconds = 0.0  # none yet: the first epoch of an invocation always starts
+    # How long the next epoch is expected to take: for a new run nothing yet (its
+    # first epoch always starts), for a resumed one the run's last epoch.
+    epoch_seconds = last_epoch_seconds(history)
     last = checkpoint  # what last.pt holds: marked if the time limit stops the run
     for epoch in range(start_epoch, config.epochs):
         if out_of_time(job, began, epoch_seconds):
@@ -309,9 +314,14 @@ def train(job):
                 f"time limit: {config.time_limit:g} minutes would pass during epoch "
                 f"{epoch + 1}; stopped after {epoch} of the {config.epochs} epochs."
             )
+            resume = shlex.join(
+                ["python", "-m", "workshop", "train", "--resume"]
+                + ["--data-dir", str(job.data_dir), "--out", str(job.out_dir)]
+            )
             say(
-                f"{stop} Continue with `train --resume --out {job.out_dir}`: the "
-                "limit guards one invocation (--time-limit MINUTES sets another)."
+                f"{stop} Continue with `{resume}`: the limit guards one invocation, "
+                "so it trains to the end (--time-limit MINUTES sets a limit of its "
+                "own)."
             )
             if job.rank == 0 and last is not None:
                 save_checkpoint(job.out_dir / "last.pt", last | {"stopped": stop})
@@ -395,9 +405,11 @@ def out_of_time(job, began, epoch_seconds):
     """Would one more epoch, as long as the last, end after the time limit?
 
     The time limit guards one invocation: `began` is when this one started, and
-    its first epoch always starts (epoch_seconds 0; resume_config refuses a resume
-    whose epochs are longer than the limit). Under DDP every process must agree, so
-    the slowest one's answer counts.
+    `epoch_seconds` how long the last epoch took (for the first epoch of a resumed
+    invocation, the run's last one, as recorded; resume_config refuses a resume
+    that this would stop at once). A new run's first epoch always starts
+    (epoch_seconds 0): nothing says yet how long it takes. Under DDP every process
+    must agree, so the slowest one's answer counts.
     """
     if job.config.time_limit is None or epoch_seconds == 0:
         return False
@@ -434,6 +446,7 @@ def train_model(
     (workshop.run_lock) until it ends.
     """
     out_dir, data_dir = Path(out_dir), Path(data_dir)
+    check_run_folder(out_dir)
     check_nprocs(nprocs, device)
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     writes = not torchrun or int(os.environ["RANK"]) == 0  # the others only read

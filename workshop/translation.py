@@ -4,6 +4,7 @@ search), and the book's beam search run over a whole batch at once."""
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -11,6 +12,7 @@ import torch
 import the_annotated_transformer as tat
 from workshop import fast
 from workshop.checkpoints import load_checkpoint, model_from_checkpoint
+from workshop.errors import UsageError, checking_input
 
 
 def positions(model):
@@ -50,9 +52,21 @@ def load_translator(path, device=None, fused=True):
     return Translator(model, vocab_src, vocab_tgt, config)
 
 
+def check_alpha(alpha):
+    """Raise a UsageError unless `alpha`, beam search's length-penalty exponent, is
+    a finite number >= 0."""
+    finite = isinstance(alpha, int | float) and math.isfinite(alpha)
+    if not (finite and alpha >= 0):
+        raise UsageError(f"alpha must be a finite number >= 0, got {alpha!r}.")
+
+
 def decode_options(beam_size=1, alpha=0.6):
     """Translator.translate's options for greedy (beam_size 1, with the key/value
-    cache) or beam search of `beam_size` with length-penalty exponent `alpha`."""
+    cache) or beam search of `beam_size` with length-penalty exponent `alpha`
+    (check_alpha)."""
+    with checking_input():
+        tat.check_positive_int(beam_size=beam_size)
+    check_alpha(alpha)
     if beam_size > 1:
         return dict(decode=beam_search, beam_size=beam_size, alpha=alpha)
     return dict(decode=tat.cached_greedy_decode)
