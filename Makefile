@@ -10,6 +10,8 @@
 #   make html       the executed notebook as one self-contained, offline HTML page
 #   make site       the book's website: site/index.html, executed with the quick profile
 #   make lab        JupyterLab on the book (installs requirements-lab.txt the first time)
+#   make setup-colab  .venv-colab: Colab's versions, where tests/test_colab.py runs the
+#                   notebook alone
 #   make figures    write the book's figures to images/
 #   make bench      print performance figures (a benchmark, never a test)
 #   make multi30k   train the multi30k profile, average, score: results/multi30k.*
@@ -40,7 +42,7 @@ BOOK := the_annotated_transformer.py
 NOTEBOOK := notebooks/the_annotated_transformer.ipynb
 
 .DEFAULT_GOAL := run
-.PHONY: setup setup-run setup-lab run test data notebook sync script execute html site lab figures \
+.PHONY: setup setup-run setup-lab setup-colab run test data notebook sync script execute html site lab figures \
 	bench multi30k lint format clean
 
 # The notebook, the commands and the tests find Multi30k through this variable. The
@@ -83,6 +85,18 @@ $(STAMP): requirements.txt requirements-dev.txt $(wildcard requirements-notebook
 		| $(VENV_PYTHON)
 	$(VENV_PYTHON) -m pip install -r requirements-dev.txt
 	touch $@ $(RUN_STAMP)
+
+# A stand-in for Google Colab's runtime (requirements-colab.txt), in which
+# tests/test_colab.py runs the notebook alone; .ci/run makes it.
+COLAB_VENV := .venv-colab
+COLAB_STAMP := $(COLAB_VENV)/.installed
+
+setup-colab: $(COLAB_STAMP)
+
+$(COLAB_STAMP): requirements-colab.txt
+	@test -x $(COLAB_VENV)/bin/python || $(PYTHON) -m venv $(COLAB_VENV)
+	$(COLAB_VENV)/bin/python -m pip install -r requirements-colab.txt
+	touch $@
 
 # JupyterLab for `make lab`, apart from what the tests need (.ci/run installs it too,
 # for the test that opens the book in it).
@@ -237,7 +251,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 clean:
-	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -exec rm -rf {} +
+	find . \( -path ./$(VENV) -o -path ./$(COLAB_VENV) \) -prune -o -type d -name __pycache__ -exec rm -rf {} +
 	rm -rf .pytest_cache .ruff_cache
 	rm -f notebooks/*.executed.ipynb notebooks/*.html
 	rm -rf $(SITE_DIR) $(SITE_DIR).building $(SITE_DIR).previous

@@ -315,29 +315,6 @@ def test_data_examples_without_data_say_what_is_missing_and_how_to_get_it(
     assert tat.DATA_ENV in said and said.count("\n") == 1  # one line
 
 
-@pytest.mark.parametrize("where", ["", "notebooks"])
-def test_committed_results_shows_the_runs_page_from_the_repository_or_notebooks(
-    where, tmp_path, monkeypatch
-):
-    from IPython.display import Markdown
-
-    (tmp_path / "results").mkdir()
-    page = "| Profile | Parameters |\n|---|---|\n| `mine` | 1 |\n"
-    (tmp_path / "results" / "mine.md").write_text(page, encoding="utf-8")
-    (tmp_path / "notebooks").mkdir()
-    monkeypatch.chdir(tmp_path / where)
-    shown = tat.committed_results("mine")
-    assert isinstance(shown, Markdown) and shown.data == page
-
-
-def test_committed_results_of_a_run_not_committed_says_how_to_make_it(
-    tmp_path, monkeypatch, capsys
-):
-    monkeypatch.chdir(tmp_path)
-    assert tat.committed_results("multi30k") is None
-    assert "make multi30k" in capsys.readouterr().out
-
-
 # ---------------------------------------------------------------------------
 # The paper's Table 2, and what the book says about it
 

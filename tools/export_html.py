@@ -8,8 +8,9 @@ has no widgets and no diagrams) and inlines MathJax 3 from the pinned
 django-static-mathjax package instead. The book's charts (Vega-Lite outputs, with a
 PNG of each for viewers without JavaScript) are drawn in the page by Vega-Embed, so
 they stay interactive: its JavaScript, with Vega and Vega-Lite, is vl-convert's
-bundle, inlined once. The figures that markdown cells link to (`../images/*.png`)
-are embedded as data URLs. The cells the book folds (Jupyter Book's hide-input,
+bundle, inlined once. The figures that markdown cells link to, by a path or by
+their address on the repository's main (tools/repository.py), are embedded from this
+checkout as data URLs. The cells the book folds (Jupyter Book's hide-input,
 hide-output and hide-cell tags) are closed <details> folds, which the browser opens
 on a click without any script (the template's codecell, input_group and
 output_group blocks).
@@ -30,6 +31,7 @@ import vl_convert
 from load import load_module
 from nbconvert import HTMLExporter
 from nbconvert.preprocessors import Preprocessor
+from repository import raw_url
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO_ROOT / "tools" / "offline.html.j2"
@@ -64,7 +66,9 @@ MARKDOWN_IMAGE = re.compile(r'(!\[[^\]]*\]\()([^)\s]+)((?:\s+"[^"]*")?\))')
 
 
 class AttachLocalImages(Preprocessor):
-    """Make each markdown image that links to a local file a cell attachment.
+    """Make each markdown image that links to a local file, or to a file of the
+    repository's main (the book links its figures so, for a notebook opened alone),
+    a cell attachment read from this checkout: the page then fetches nothing.
 
     nbconvert writes attachments into the page as data URLs; its own embed_images
     option refuses files outside the notebook's folder, such as ../images/.
@@ -73,14 +77,17 @@ class AttachLocalImages(Preprocessor):
     def preprocess_cell(self, cell, resources, index):
         if cell.cell_type != "markdown":
             return cell, resources
-        folder = Path(resources["metadata"]["path"])
+        folder, own = Path(resources["metadata"]["path"]), raw_url("")
 
         def attach(match):
             before, src, after = match.groups()
-            if ":" in src:  # a URL, a data URL or an attachment already
+            if src.startswith(own):
+                path = REPO_ROOT / src.removeprefix(own)
+            elif ":" in src:  # another URL, a data URL or an attachment already
                 return match.group(0)
-            path = folder / src
-            if not path.is_file():
+            else:
+                path = folder / src
+            if not path.is_file():  # a typo, or a figure that was never committed
                 raise FileNotFoundError(
                     f"markdown cell {index} shows {src}, but there is no {path}"
                 )
