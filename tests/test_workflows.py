@@ -1,26 +1,24 @@
 """The GitHub Actions workflows, read as YAML: CI runs the project's own script, once
-per commit, on current actions, with pip's downloads cached; the Pages workflow
+per commit, with pip's downloads cached; the Pages workflow stops early when Pages is
+not set to publish from Actions (tools/pages.py, tested against a local server), and
 publishes what `make site` builds. (`make lint` runs actionlint on them too.)"""
 
+import http.server
+import json
 import re
+import sys
+import threading
 from pathlib import Path
 
+import pytest
 import yaml
-from conftest import CHROMIUM_FLAGS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKFLOWS = REPO_ROOT / ".github" / "workflows"
 CI_WORKFLOW = WORKFLOWS / "ci.yml"
 PAGES_WORKFLOW = WORKFLOWS / "site.yml"
-
-# The current major version of every action the workflows use.
-MAJORS = {
-    "actions/checkout": "v5",
-    "actions/cache": "v4",
-    "actions/configure-pages": "v5",
-    "actions/upload-pages-artifact": "v4",
-    "actions/deploy-pages": "v4",
-}
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+import pages  # noqa: E402
 
 
 def load(path):
@@ -80,25 +78,67 @@ def test_ci_caches_pips_downloads_keyed_on_the_requirements():
     assert re.search(r"hashFiles\('requirements\*\.txt'\)", cache["key"])
 
 
-def test_every_action_is_at_its_current_major_version():
-    for path in (CI_WORKFLOW, PAGES_WORKFLOW):
-        for step in steps(load(path)):
-            if "uses" in step:
-                action, _, version = step["uses"].partition("@")
-                assert version == MAJORS[action], f"{path.name}: {step['uses']}"
+class FakeGitHub(http.server.BaseHTTPRequestHandler):
+    """GET /repos/OWNER/NAME/pages as GitHub's API answers it: `answers` maps a
+    repository to (status, JSON body); every request is kept in `seen`."""
+
+    answers, seen = {}, []
+
+    def do_GET(self):
+        FakeGitHub.seen.append((self.path, self.headers.get("Authorization")))
+        repository = self.path.removeprefix("/repos/").removesuffix("/pages")
+        status, body = self.answers.get(repository, (404, {"message": "Not Found"}))
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(json.dumps(body).encode())
+
+    def log_message(self, *args):
+        pass
 
 
-def test_configure_pages_enables_pages_when_it_is_not_yet():
-    (configure,) = [
-        step
-        for step in steps(load(PAGES_WORKFLOW))
-        if step.get("uses", "").startswith("actions/configure-pages@")
-    ]
-    assert configure["with"]["enablement"] is True
+@pytest.fixture
+def github():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeGitHub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    FakeGitHub.answers = {
+        "o/actions": (200, {"build_type": "workflow"}),
+        "o/branch": (200, {"build_type": "legacy"}),
+        "o/private": (403, {"message": "Forbidden"}),
+    }
+    FakeGitHub.seen = []
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
 
 
-def test_headless_chromium_does_not_rely_on_a_containers_small_dev_shm():
-    assert "--disable-dev-shm-usage" in CHROMIUM_FLAGS
+def test_the_pages_check_passes_only_when_pages_publishes_from_actions(github):
+    assert pages.pages_problem("o/actions", api=github, token="t") is None
+    assert FakeGitHub.seen == [("/repos/o/actions/pages", "Bearer t")]
+    for repository, says in [
+        ("o/missing", "GitHub Pages is not enabled for o/missing"),
+        ("o/branch", "publishes from 'legacy'"),
+    ]:
+        problem = pages.pages_problem(repository, api=github, token="t")
+        assert says in problem and "Source: GitHub Actions" in problem
+    assert "answered 403" in pages.pages_problem("o/private", api=github, token="t")
+
+
+def test_the_pages_check_says_when_github_cannot_be_reached(github):
+    closed = "http://127.0.0.1:9"  # discard: nothing listens
+    assert "could not ask GitHub's API" in pages.pages_problem("o/a", api=closed)
+
+
+def test_the_site_workflow_checks_pages_first_and_does_not_rely_on_enablement():
+    """The workflow's token cannot turn Pages on (configure-pages' `enablement`
+    needs an administrator's token): the build stops before any work instead."""
+    (build,) = [load(PAGES_WORKFLOW)["jobs"]["build"]]
+    runs = [step.get("run", "") for step in build["steps"]]
+    check = next(i for i, run in enumerate(runs) if "tools/pages.py" in run)
+    setup = next(i for i, run in enumerate(runs) if "make setup" in run)
+    assert check < setup
+    assert "github.token" in build["steps"][check]["env"]["GITHUB_TOKEN"]
+    configure = [s for s in build["steps"] if "configure-pages" in s.get("uses", "")]
+    assert configure and all("enablement" not in s.get("with", {}) for s in configure)
 
 
 def test_pages_workflow_publishes_what_make_site_builds_on_pushes_to_main():
