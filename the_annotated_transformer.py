@@ -3723,6 +3723,13 @@ show_example(example_cache)
 #
 # > **Note (speed, outside the book).** The workshop searches a whole batch at once,
 # > the $k$ hypotheses of $B$ sentences as $B \cdot k$ rows, tested to find the same.
+#
+# > **Note (sampling, outside the book).** Greedy decoding and beam search both look
+# > for the *most likely* translation. Sampling instead draws each next token from
+# > the model's distribution, often sharpened by a temperature and cut to the $k$
+# > most likely tokens (top-$k$) or to the smallest set holding probability $p$
+# > (top-$p$): it gives varied outputs, which suits generation more than
+# > translation. The workshop's `translate --sample` does it (docs/translating.md).
 
 
 # %%
