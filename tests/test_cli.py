@@ -11,6 +11,7 @@ import contextlib
 import errno
 import io
 import json
+import math
 import os
 import re
 import shlex
@@ -72,6 +73,13 @@ def run_cli(capsys):
         )
 
     return run
+
+
+@pytest.fixture
+def no_progress(monkeypatch):
+    """translate says no progress, however slow a busy machine makes it: stderr
+    holds only what a test is about."""
+    monkeypatch.setattr(translation, "PROGRESS_EVERY_S", math.inf)
 
 
 def run_script(*args, timeout=120):
@@ -416,7 +424,7 @@ def test_download_command_cut_off_mid_file_exits_1_in_one_line_and_keeps_nothing
 
 
 def test_translate_command_names_a_sentence_longer_than_the_models_positions(
-    translator, monkeypatch, capsys
+    translator, monkeypatch, capsys, no_progress
 ):
     """Past the positional encoding's table a sentence must be cut: it is, aloud."""
     config = translator.config
@@ -441,7 +449,7 @@ def test_translate_command_names_a_sentence_longer_than_the_models_positions(
     out, err = capsys.readouterr()
     assert len(out.splitlines()) == 2
     assert err.strip() == (
-        "warning: sentence 2 has 42 tokens, more than the model's 30 positions; "
+        "warning: sentence 2 has 42 tokens, more than the model's 30 positions: "
         "only its first 30 are translated."
     )
 
@@ -642,7 +650,9 @@ def test_average_command_returns_1_naming_a_missing_or_mismatched_checkpoint(
     assert (
         cli.main(["average", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), *out]) == 1
     )
-    assert "h=2 vs 4" in capsys.readouterr().err
+    # The files and their values in one order, the order they were named in.
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    assert f"{a} and {b} have different settings (h=2 vs 4)" in capsys.readouterr().err
     assert not (tmp_path / "m.pt").exists()
 
 
@@ -1155,7 +1165,9 @@ def test_translate_piped_into_a_reader_that_left_ends_without_an_error(smoke_run
     finally:
         os.close(write_end)
     assert writer.returncode == 0, writer.stderr
-    assert writer.stderr == ""
+    # Nothing but progress, which a busy machine's 5 s bring (none on a quiet one).
+    said = writer.stderr.splitlines()
+    assert [line for line in said if not line.startswith("translating: ")] == []
 
 
 @pytest.mark.parametrize("keep", [0, -1])
@@ -1229,7 +1241,25 @@ def test_reproduce_names_the_averaging_windows_it_drops(reproduced, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     warnings = [line for line in err if line.startswith("warning:")]
     assert len(warnings) == 1 and "4 and 7" in warnings[0]
-    assert "keeps only 2 epoch checkpoints" in warnings[0]
+    assert warnings[0].endswith("dropped: the run trained only 2 epochs.")
+
+
+def test_reproduce_names_the_pruning_that_dropped_its_averages(
+    smoke_run, multi30k_dir, tmp_path, run_cli
+):
+    """The smoke run kept 1 of its 2 epoch checkpoints: the warning says so, with
+    the run's keep_checkpoints and the option that keeps more."""
+    run = copy_of(smoke_run.out, tmp_path)
+    argv = ["reproduce", "--profile", "smoke", "--out", str(run), "--no-train"]
+    argv += ["--data-dir", str(multi30k_dir), "--limit", "3", "--average", "2"]
+    argv += ["--beam", "2", "--alphas", "0.6"]
+    result = run_cli(*argv, "--results", str(tmp_path / "scores"))
+    assert result.returncode == 0, result.stderr
+    (warning,) = [x for x in result.stderr.splitlines() if x.startswith("warning")]
+    assert warning.endswith(
+        f"dropped: {run} holds only its newest 1 epoch checkpoints of 2 (train "
+        "--keep-checkpoints N keeps N; this run's is 1)."
+    )
 
 
 def test_a_failing_cell_makes_the_site_build_fail_in_one_line(tmp_path):
@@ -1264,26 +1294,27 @@ def test_train_with_a_mistyped_data_folder_creates_no_run_folder(tmp_path, run_c
     assert not out.exists()
 
 
-def test_reproduce_with_a_limit_writes_no_results_unless_given_a_folder(
+def test_reproduce_writes_into_its_run_folder_and_never_a_limit_into_results(
     reproduced, multi30k_dir, tmp_path, monkeypatch, run_cli
 ):
-    """A score on a few sentences is no result: with --limit, reproduce refuses the
-    default results/ (and images/) and writes nothing; given --results DIR, it
-    writes there, training curve included, and the record keeps the limit."""
+    """reproduce's results and curve go to its run folder unless --results and
+    --images name others: no default is a folder of the checkout; a score on a few
+    sentences is refused the checkout's results/, and the record keeps the limit."""
     root, _ = reproduced
-    monkeypatch.chdir(tmp_path)  # where results/ and images/ would be written
-    argv = ["reproduce", "--profile", "smoke", "--out", str(root / "run")]
-    argv += ["--no-train", "--data-dir", str(multi30k_dir), "--limit", "5"]
+    run = copy_of(root / "run", tmp_path)
+    monkeypatch.chdir(tmp_path)  # where results/ and images/ were written before
+    argv = ["reproduce", "--profile", "smoke", "--out", str(run), "--no-train"]
+    argv += ["--data-dir", str(multi30k_dir), "--limit", "5"]
     argv += ["--beam", "2", "--alphas", "0.6", "--average", "2"]
-    assert_one_line_error(run_cli(*argv), "--limit 5", "--results DIR")
-    assert names_in(tmp_path) == []
-    assert run_cli(*argv, "--results", "quick_check").returncode == 0
-    assert names_in(tmp_path / "quick_check") == [
-        "smoke.json",
-        "smoke.md",
-        "training_curve_smoke.png",
-    ]
-    record = json.loads((tmp_path / "quick_check" / "smoke.json").read_text())
+    committed = REPO_ROOT / "results"
+    before = {p.name: p.stat().st_mtime_ns for p in committed.iterdir()}
+    refused = run_cli(*argv, "--results", str(committed))
+    assert_one_line_error(refused, "limit=5", "no result to write into")
+    assert {p.name: p.stat().st_mtime_ns for p in committed.iterdir()} == before
+    assert run_cli(*argv).returncode == 0
+    assert names_in(tmp_path) == ["run"]
+    assert {"smoke.json", "smoke.md", "training_curve_smoke.png"} <= set(names_in(run))
+    record = json.loads((run / "smoke.json").read_text())
     assert record["limit"] == 5 and record["test_greedy"]["n"] == 5
 
 
@@ -1296,7 +1327,7 @@ def test_out_of_memory_gets_its_own_line_saying_what_to_lower(
             "capacity of 7.6 GiB of which 1.1 GiB is free."
         )
 
-    monkeypatch.setattr(translation.tat.Translator, "translate", out_of_memory)
+    monkeypatch.setattr(translation.Translator, "translate", out_of_memory)
     argv = ["translate", "--checkpoint", str(smoke_run.out / "last.pt"), "Ein Hund."]
     line = assert_one_line_error(run_cli(*argv), "out of memory", "--beam", status=1)
     assert "Tried to allocate 2.00 GiB" in line and "report it" not in line
@@ -1400,9 +1431,12 @@ BAD_INPUT = {
         ["typo", "train.de.gz"],
     ),
     "4 reproduce --limit into results/": (
-        lambda it: ["reproduce", "--no-train", "--out", str(it.run), "--limit", "5"],
+        lambda it: (
+            ["reproduce", "--no-train", "--out", str(it.run), "--limit", "5"]
+            + ["--results", str(REPO_ROOT / "results")]
+        ),
         2,
-        ["--limit 5", "--results DIR"],
+        ["limit=5", "no result to write into", "results"],
     ),
     "6 a ValueError of torch's inside a run": (
         lambda it: (
@@ -1551,6 +1585,93 @@ BAD_INPUT = {
         1,
         ["test_2099.de.gz not found"],
     ),
+    # Issue 41's
+    "41 a split that make data does not fetch": (
+        lambda it: (
+            ["evaluate", "--checkpoint", str(it.last), "--split"] + ["test_2017_flickr"]
+        ),
+        1,
+        [
+            "test_2017_flickr.de.gz not found",
+            "fetch only test_2016_flickr, train, val",
+            "put test_2017_flickr.de.gz and test_2017_flickr.en.gz",
+            "Splits there: test_2016_flickr, train, val.",
+        ],
+    ),
+    "41 averaging a checkpoint the run pruned": (
+        lambda it: (
+            ["average", str(it.run / "epoch_001.pt")]
+            + [str(it.run / "epoch_002.pt"), "--out", str(it.tmp / "a.pt")]
+        ),
+        1,
+        ["epoch_001.pt was pruned", "(epoch_002.pt here;", "--keep-checkpoints N"],
+    ),
+    "41 a checkpoint of an epoch not trained yet": (
+        lambda it: ["translate", "--checkpoint", str(it.run / "epoch_005.pt"), "x"],
+        1,
+        ["epoch_005.pt not found", "has trained 2 epochs so far", "--resume"],
+    ),
+    "41 a sentence beyond the hard limit": (
+        lambda it: [
+            "translate",
+            "--checkpoint",
+            str(it.last),
+            "Ein Hund.",
+            "x" * 100_001,
+        ],
+        2,
+        ["sentence 2 has 100,001 characters", "one sentence on each line"],
+    ),
+    "41 sampling's options without --sample": (
+        lambda it: (
+            ["translate", "--checkpoint", str(it.last), "--top-k", "5"]
+            + ["--seed", "1", "x"]
+        ),
+        2,
+        ["--top-k --seed", "only with --sample"],
+    ),
+    "41 sampling with a beam": (
+        lambda it: (
+            ["translate", "--checkpoint", str(it.last), "--sample", "--beam"]
+            + ["4", "x"]
+        ),
+        2,
+        ["--sample", "--beam 4", "choose one"],
+    ),
+    "41 more of the n best than the beam holds": (
+        lambda it: (
+            ["translate", "--checkpoint", str(it.last), "--beam", "2"]
+            + ["--n-best", "3", "x"]
+        ),
+        2,
+        ["--n-best 3 needs a beam of at least 3"],
+    ),
+    "41 a top-p that is no probability": (
+        lambda it: (
+            ["translate", "--checkpoint", str(it.last), "--sample"]
+            + ["--top-p", "1.5", "x"]
+        ),
+        2,
+        ["--top-p", "above 0 and at most 1", "'1.5'"],
+    ),
+    "41 a temperature of 0": (
+        lambda it: (
+            ["translate", "--checkpoint", str(it.last), "--sample"]
+            + ["--temperature", "0", "x"]
+        ),
+        2,
+        ["--temperature", "finite number above 0"],
+    ),
+    "41 an option abbreviated": (
+        lambda it: ["translate", "--checkpoint", str(it.last), "--n-be", "2", "x"],
+        2,
+        ["unrecognized arguments: --n-be"],
+    ),
+    "41 keeping no checkpoint": (
+        lambda it: ["train", "--out", it.new, "--keep-checkpoints", "0"],
+        2,
+        ["--keep-checkpoints", "at least 1"],
+    ),
     "an unknown profile": (
         lambda it: ["train", "--out", it.new, "--profile", "huge"],
         2,
@@ -1605,3 +1726,251 @@ def test_bad_input_is_one_clear_line_and_loses_nothing(
     assert len(line) < 500, line  # one clear line, not a dump
     assert after == before
     assert names_in(tmp_path) == outside  # no folder, file or partial file left
+
+
+# ---------------------------------------------------------------------------
+# A student's path: translate line for line, n-best and sampling, checkpoints kept,
+# defaults outside the checkout's tracked folders, the training log
+
+
+def echo(model, src, src_mask, max_len, start_symbol, **options):
+    """Stands in for greedy decoding: answers each source with itself, so that an
+    answer shows which line it answers."""
+    return src
+
+
+def test_translate_answers_each_line_with_one_line_a_blank_with_a_blank(
+    tmp_path, monkeypatch, run_cli
+):
+    tiny_checkpoint(tmp_path / "tiny.pt", seed=0, words=["a", "dog", "runs", "cat"])
+    monkeypatch.setattr(translation, "greedy_decode", echo)
+    argv = ["translate", "--checkpoint", str(tmp_path / "tiny.pt")]
+    lines = ["a dog", "", "runs", "  ", "a cat runs", "", "dog"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
+    result = run_cli(*argv)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n") == [
+        *["a dog", "", "runs", "", "a cat runs", "", "dog"],
+        "",  # the newline that ends the last line
+    ]
+    arguments = run_cli(*argv, "a dog", "", "runs")  # a blank argument too
+    assert arguments.stdout.splitlines() == ["a dog", "", "runs"]
+
+
+def test_translate_warns_of_a_sentence_longer_than_training_and_translates_it_whole(
+    translator, smoke_run, run_cli, no_progress
+):
+    """The smoke run was trained on sentences of at most max_len ids: a longer one
+    is translated whole (as the book's decode_ids translates its ids), and said to
+    be; one of max_len ids is not."""
+    max_len = translator.config.max_len
+    fits = " ".join(["Hund"] * (max_len - 2))  # max_len ids with <s> and </s>
+    long = " ".join(["Hund"] * (max_len + 8))
+    argv = ["translate", "--checkpoint", str(smoke_run.out / "last.pt"), fits, long]
+    result = run_cli(*argv)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        f"warning: sentence 2 has {max_len + 10} tokens, translated whole; the model "
+        f"was trained on sentences of at most {max_len} tokens (max_len), and past "
+        "that its output is often short or repetitive: one sentence a line "
+        "translates best."
+    ]
+    whole = tat.decode_ids(translator.model, translator.encode([fits, long]))
+    assert result.stdout.splitlines() == [translator.text(ids) for ids in whole]
+
+
+def test_translate_shows_its_progress_on_long_input(smoke_run, monkeypatch, run_cli):
+    """More than a batch of sentences (64), progress said at every chance (the
+    interval set to 0): the batches done, and the words of each batch."""
+    monkeypatch.setattr(translation, "PROGRESS_EVERY_S", 0.0)
+    sentences = [f"Ein Hund läuft {i} Mal." for i in range(65)]
+    argv = ["translate", "--checkpoint", str(smoke_run.out / "last.pt"), *sentences]
+    result = run_cli(*argv)
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.splitlines()) == 65
+    said = result.stderr.splitlines()
+    assert all(line.startswith("translating: ") for line in said), said
+    assert any(line.startswith("translating: 64 of 65 sentences done") for line in said)
+    assert any("sentences 1 to 64 of 65: word 1 of at most" in line for line in said)
+    assert any("sentence 65 of 65: word 1 of at most" in line for line in said)
+    assert said[-1].startswith("translating: 65 sentences in ")
+
+
+def test_translate_n_best_lists_the_books_beam_hypotheses_with_their_scores(
+    translator, smoke_run, run_cli
+):
+    """--n-best 3 prints each sentence's 3 best as LINE<tab>SCORE<tab>TEXT: the
+    book's own beam search's finished hypotheses for the sentence, best first
+    (a beam of 3, as --n-best 3 alone asks); a blank line has none."""
+    sentences = ["Ein Hund läuft.", "", "Zwei Männer spielen Fußball."]
+    argv = ["translate", "--checkpoint", str(smoke_run.out / "last.pt")]
+    result = run_cli(*argv, "--n-best", "3", *sentences)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split("\t") for line in result.stdout.splitlines()]
+    assert [row[0] for row in rows] == ["1", "1", "1", "3", "3", "3"]
+    model = translator.model
+    for number in (1, 3):
+        (ids,) = translator.encode([sentences[number - 1]])
+        src = torch.tensor([ids])
+        src_mask = tat.padding_mask(src, tat.PAD)
+        with torch.no_grad():
+            memory = model.encode(src, src_mask)
+            book = tat.beam_search_one(
+                model, memory, src_mask, src.size(1) + 50, tat.BOS, tat.EOS, 3, 0.6
+            )
+        printed = [row[1:] for row in rows if row[0] == str(number)]
+        expected = [(s, translator.text(translation._inner(i))) for s, i in book[:3]]
+        assert [text for _, text in printed] == [text for _, text in expected]
+        # Printed to 4 decimals (5e-5 at most off); the batch of two pads the
+        # shorter sentence, which moves float32 sums of ~60 log-probabilities
+        # (each below 20) by at most 60 * 20 * eps = 1.4e-4.
+        tolerance = 5e-5 + 60 * 20 * torch.finfo(torch.float32).eps
+        for (score, _), (book_score, _) in zip(printed, expected, strict=True):
+            assert float(score) == pytest.approx(book_score, abs=tolerance)
+    beam = run_cli(*argv, "--beam", "3", *sentences).stdout.splitlines()
+    assert [rows[0][2], rows[3][2]] == [beam[0], beam[2]]  # the best is --beam 3's
+
+
+def test_translate_samples_again_what_a_seed_drew(smoke_run, run_cli, no_progress):
+    """--sample without --seed draws from a fresh seed and names it; that seed
+    draws the same again, and another seed something else."""
+    argv = ["translate", "--checkpoint", str(smoke_run.out / "last.pt"), "--sample"]
+    sentences = ["Ein Hund läuft.", "Zwei Männer spielen Fußball."] * 3
+    first = run_cli(*argv, *sentences)
+    assert first.returncode == 0, first.stderr
+    (said,) = first.stderr.splitlines()
+    seed = re.fullmatch(
+        r"sampling with --seed (\d+) \(pass it to draw the same .*", said
+    )
+    assert seed, said
+    again = run_cli(*argv, "--seed", seed.group(1), *sentences)
+    assert again.stdout == first.stdout and again.stderr == ""
+    other = run_cli(*argv, "--seed", str(int(seed.group(1)) + 1), *sentences)
+    assert other.stdout != first.stdout
+    n_best = run_cli(*argv, "--seed", "1", "--n-best", "2", "--top-k", "3", *sentences)
+    rows = [line.split("\t") for line in n_best.stdout.splitlines()]
+    assert [int(row[0]) for row in rows] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6]
+    scores = [float(row[1]) for row in rows]
+    assert all(a >= b for a, b in zip(scores[::2], scores[1::2], strict=True))
+
+
+def test_keep_checkpoints_prunes_a_runs_epochs_logs_time_and_names_what_it_saved(
+    multi30k_dir, tmp_path, run_cli
+):
+    """--keep-checkpoints 2: of 3 epochs, the last 2 files stay; resuming may
+    change it. Each step line says the time into the epoch and an estimate of its
+    end; the run ends naming the model it saved."""
+    out = tmp_path / "run"
+    argv = ["train", "--data-dir", str(multi30k_dir), "--out", str(out)]
+    argv += ["--profile", "smoke", "--epochs", "3"]
+    result = run_cli(*argv, "--keep-checkpoints", "2")
+    assert result.returncode == 0, result.stderr
+    assert names_in(out) == [
+        *["epoch_002.pt", "epoch_003.pt", "last.pt"],
+        *["vocab_src.json", "vocab_tgt.json"],
+    ]
+    assert (
+        checkpoints.load_checkpoint(out / "last.pt")["config"]["keep_checkpoints"] == 2
+    )
+    steps = [line for line in result.stdout.splitlines() if "| optimizer steps" in line]
+    time_left = r" \| \d+:\d\d into the epoch, about \d+:\d\d to its end"
+    assert steps and all(re.search(time_left + "$", line) for line in steps), steps
+    last = result.stdout.splitlines()[-1]
+    assert last.startswith(f"saved {out / 'last.pt'} (epoch 3; this invocation ")
+    assert last.endswith(f'translate --checkpoint {out / "last.pt"} "Ein Satz."')
+    resumed = run_cli(*argv[:-1], "4", "--resume", "--keep-checkpoints", "1", "--quiet")
+    assert resumed.returncode == 0, resumed.stderr
+    assert [p.name for p in checkpoints.epoch_files(out)] == ["epoch_004.pt"]
+    assert resumed.stdout.startswith(f"saved {out / 'last.pt'} (epoch 4;")
+
+
+def test_the_help_gives_keep_checkpoints_default_and_meaning(run_cli):
+    text = " ".join(run_cli("train", "--help").stdout.split())
+    keep = {
+        settings.RunConfig.from_profile(p).keep_checkpoints for p in cli.PROFILE_NAMES
+    }
+    assert keep == {5}  # what the help says: every profile's
+    assert (
+        "--keep-checkpoints N keep the newest N epoch_NNN.pt files and delete older "
+        "ones as each epoch ends (last.pt is always kept; default: the profile's, 5)"
+    ) in text
+
+
+def test_every_option_of_every_command_says_what_it_does(run_cli):
+    """Each option's line in each --help has a description (--quiet had none)."""
+    parser = cli.build_parser()
+    bare = []
+    for name in parser.command_names:
+        lines = parser.commands[name].format_help().splitlines()
+        for i, line in enumerate(lines):
+            option = re.match(r"  (-\S.*?)(?:\s{2,}(\S.*))?$", line)
+            if option and not option.group(2):
+                described = i + 1 < len(lines) and lines[i + 1].startswith(" " * 8)
+                if not described:
+                    bare.append(f"{name} {option.group(1)}")
+    assert bare == []
+
+
+def test_attention_draws_the_last_layers_every_head_into_runs_by_default(
+    monkeypatch, tmp_path, run_cli
+):
+    drawn = []
+
+    def save_attention_maps(checkpoint, sentence, out, layer, heads, device=None):
+        drawn.append((str(out), layer, heads))
+        return []
+
+    monkeypatch.setattr(commands, "save_attention_maps", save_attention_maps)
+    monkeypatch.chdir(tmp_path)
+    assert run_cli("attention", "--checkpoint", "c.pt", "Ein Hund.").returncode == 0
+    assert drawn == [("runs/attention", -1, None)]
+    help_text = " ".join(run_cli("attention", "--help").stdout.split())
+    assert "-1, the default, is the last" in help_text
+    assert "repeat the option for several (default: every head)" in help_text
+
+
+def is_ignored_by_git(path):
+    """Whether git ignores `path` (relative to the checkout): a folder nothing of
+    which is tracked."""
+    result = subprocess.run(
+        ["git", "check-ignore", "-q", "--no-index", str(path)],
+        cwd=REPO_ROOT,
+        check=False,
+    )
+    return result.returncode == 0
+
+
+def test_no_command_writes_into_a_tracked_folder_by_default(monkeypatch, run_cli):
+    """The folders each command writes when no option names one: each is one git
+    ignores (runs/...), never images/ or results/, which hold the checkout's
+    figures and results under the same names."""
+    written = {}
+
+    def recording(name):
+        def record(*args, **kwargs):
+            written[name] = [str(a) for a in args]
+            return []  # the paths written
+
+        return record
+
+    for name in ("save_attention_maps", "save_figures", "reproduce"):
+        monkeypatch.setattr(commands, name, recording(name))
+    assert run_cli("attention", "--checkpoint", "c.pt", "Ein Hund.").returncode == 0
+    assert run_cli("figures").returncode == 0
+    assert run_cli("reproduce", "--profile", "quick", "--data-dir", "d").returncode == 0
+    folders = {
+        "attention": written["save_attention_maps"][2],
+        "figures": written["save_figures"][0],
+        "reproduce --out": written["reproduce"][2],
+        "reproduce --results": written["reproduce"][3],
+        "reproduce --images": written["reproduce"][4],
+    }
+    assert folders == {
+        "attention": "runs/attention",
+        "figures": "runs/figures",
+        "reproduce --out": "runs/quick",
+        "reproduce --results": "runs/quick",
+        "reproduce --images": "runs/quick",
+    }
+    assert {name for name, f in folders.items() if not is_ignored_by_git(f)} == set()
+    assert not is_ignored_by_git("images") and not is_ignored_by_git("results")

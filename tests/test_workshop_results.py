@@ -55,13 +55,29 @@ def test_evaluate_scores_exactly_what_translate_returned_in_order(tmp_path, caps
     assert f"signature: {result['signature']}" in printed
 
 
-def test_greedy_evaluation_decodes_with_the_key_value_cache(tmp_path):
+def test_greedy_evaluation_decodes_with_the_key_value_cache(
+    tmp_path, translator, monkeypatch
+):
+    """evaluate decodes greedily with the workshop's greedy_decode, which is the
+    book's cached_greedy_decode (the key/value cache): it calls it, and finds what
+    the book's uncached greedy decoding finds."""
     write_split(tmp_path, "handmade", HANDMADE_PAIRS)
     echo = EchoTranslator(dict(HANDMADE_PAIRS))
     results.evaluate(echo, tmp_path, "handmade", quiet=True)
     assert [options for *_, options in echo.calls] == [
-        {"decode": tat.cached_greedy_decode}
+        {"decode": translation.greedy_decode}
     ]
+    calls, cached = [], tat.cached_greedy_decode
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return cached(*args, **kwargs)
+
+    monkeypatch.setattr(tat, "cached_greedy_decode", counted)
+    sources = [de for de, _ in HANDMADE_PAIRS]
+    found = translator.translate(sources, **translation.decode_options())
+    assert calls == [1]  # one batch, decoded with the cache
+    assert found == translator.translate(sources, decode=tat.greedy_decode)
 
 
 def test_evaluate_is_cased_but_its_spacy_variant_is_lowercased(tmp_path):
@@ -186,6 +202,19 @@ def test_reproduce_with_a_limit_refuses_the_checkouts_committed_folders(
         results.reproduce("smoke", tmp_path, tmp_path / "run", limit=5, **folders)
     assert sorted(p.name for p in committed.iterdir()) == before
     assert not (tmp_path / "run").exists()
+
+
+def test_a_record_older_than_its_provenance_fields_still_renders():
+    """results/multi30k.json was written before records named their commit and torch:
+    its page says so instead of failing with a KeyError (issue 40's audit)."""
+    import json
+
+    committed = Path(__file__).resolve().parent.parent / "results" / "multi30k.json"
+    record = json.loads(committed.read_text())
+    assert "torch" not in record  # control: the record is the old kind
+    page = results.results_markdown(record)
+    assert "Scored before records named their commit and torch version." in page
+    assert "Scored from" not in page
 
 
 def test_the_speed_line_weighs_each_epoch_by_its_time():

@@ -391,6 +391,70 @@ def test_load_checkpoint_of_a_missing_file_says_how_to_train_one(tmp_path):
         checkpoints.load_checkpoint(tmp_path / "missing.pt")
 
 
+def test_a_missing_epoch_checkpoint_is_named_pruned_only_when_its_run_pruned_it(
+    tmp_path,
+):
+    """A run deletes its oldest epoch files: one older than every file there was
+    pruned; one between them was removed some other way, one after them not
+    trained yet, and a folder without epoch files says nothing of either."""
+    for number in (3, 5, 6):
+        (tmp_path / f"epoch_{number:03d}.pt").write_bytes(b"")
+
+    def message(name):
+        with pytest.raises(FileNotFoundError) as error:
+            checkpoints.load_checkpoint(tmp_path / name)
+        return str(error.value)
+
+    assert "epoch_002.pt was pruned" in message("epoch_002.pt")
+    assert "(epoch_003.pt to epoch_006.pt here;" in message("epoch_001.pt")
+    assert "--keep-checkpoints N keeps N" in message("epoch_001.pt")
+    assert "pruned" not in message("epoch_004.pt")
+    assert "python -m workshop train" in message("epoch_004.pt")
+    assert "has trained 6 epochs so far" in message("epoch_007.pt")
+    assert "pruned" not in message("last.pt")
+    (tmp_path / "other").mkdir()
+    assert "pruned" not in message("other/epoch_001.pt")
+
+
+class FakeLoss:
+    """A loss computation that returns a fixed summed loss, and records nll."""
+
+    criterion = tat.LabelSmoothing(5, tat.PAD, 0.0)
+
+    def __call__(self, x, y, norm):
+        loss = torch.tensor(8.0)
+        return loss, loss / norm
+
+    def nll(self, x, y):
+        return torch.tensor(3.0)
+
+
+def test_step_lines_say_the_time_into_the_epoch_and_estimate_its_end():
+    """Every log_every micro-batches a line like the book's, with the time since
+    the epoch began and the time its remaining batches take at the pace so far."""
+    now, said = [0.0], []
+    state = tat.TrainState(step=10, accum_step=5)
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5)
+    log = training.StepLog(
+        FakeLoss(), optimizer, state, 10, said.append, lambda: now[0]
+    )
+    log.start(40, state)  # an epoch of 40 micro-batches from step 10 on
+    y = torch.tensor([[5, 6, tat.PAD, tat.PAD]])  # 2 tokens
+    for batch in range(1, 12):  # the book counts each batch after the loss
+        now[0] = 3.0 * batch
+        log(None, y, 2)
+        state.step += 1
+    assert log.nll(None, y) == 3.0  # evaluation passes through
+    assert said == [
+        # step 11, the epoch's 1st batch: 3 s for 1 of 40, 39 more at that pace
+        "  step     11 | optimizer steps     5 | loss (smoothed)  4.0000 | lr "
+        "5.00e-01 | 0:03 into the epoch, about 1:57 to its end",
+        # step 21, its 11th: 33 s for 11, 29 more: 87 s
+        "  step     21 | optimizer steps     5 | loss (smoothed)  4.0000 | lr "
+        "5.00e-01 | 0:33 into the epoch, about 1:27 to its end",
+    ]
+
+
 def test_epoch_files_are_ordered_by_epoch_number_not_by_name(tmp_path):
     for name in ("epoch_1000.pt", "epoch_999.pt", "epoch_002.pt", "epoch_x.pt"):
         (tmp_path / name).write_bytes(b"")

@@ -13,7 +13,9 @@
 - checkpoints.py  vocabulary and checkpoint files, and averaging checkpoints
 - precision.py    bfloat16 where it pays (a measured probe, autocast wrappers)
 - processes.py    several processes (DistributedDataParallel) around the book's loop
-- translation.py  translating with a checkpoint; beam search over a whole batch
+- translation.py  translating with a checkpoint (load_translator), one answer per
+                  sentence; beam search over a whole batch, n-best lists,
+                  sampling, progress
 - multi30k.py     downloading Multi30k and checking its files against their digests
 - results.py      evaluate (BLEU with signatures) and reproduce (the README's Results)
 - figures.py      the book's diagrams and charts as PNG files

@@ -79,11 +79,22 @@ def checkpoint_size(state):
     return counter.size
 
 
+def epoch_number(path):
+    """The epoch of a file named epoch_NNN.pt (None for any other name)."""
+    match = re.fullmatch(r"epoch_([0-9]+)\.pt", Path(path).name)
+    return None if match is None else int(match.group(1))
+
+
+def epoch_files(out_dir):
+    """A run's `epoch_NNN.pt` files, ordered by their epoch number."""
+    found = [(epoch_number(p), p) for p in Path(out_dir).glob("epoch_*.pt")]
+    return [path for number, path in sorted(f for f in found if f[0] is not None)]
+
+
 def is_run_checkpoint_name(path):
     """Whether `path` is named as a training run names its own checkpoints:
     last.pt, or epoch_NNN.pt."""
-    name = Path(path).name
-    return name == "last.pt" or re.fullmatch(r"epoch_\d+\.pt", name) is not None
+    return Path(path).name == "last.pt" or epoch_number(path) is not None
 
 
 def with_positional_tables(state_dict, model):
@@ -99,7 +110,8 @@ def load_checkpoint(path, map_location="cpu"):
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
-            f"checkpoint {path} not found. Train one with "
+            pruned(path)
+            or f"checkpoint {path} not found. Train one with "
             "`python -m workshop train --out DIR`."
         )
     try:
@@ -110,6 +122,31 @@ def load_checkpoint(path, map_location="cpu"):
             f"a file written by `train` (torch.load: {type(error).__name__}). Pass "
             "a .pt written by `train`."
         ) from None
+
+
+def pruned(path):
+    """Why a missing epoch_NNN.pt is missing, when its folder says: pruned (the
+    run keeps only its newest epochs, all newer than this one: the message names
+    them and how to keep more), or not trained yet (every epoch there is older).
+    None when the folder holds no epoch files to tell."""
+    number, folder = epoch_number(path), Path(path).parent
+    kept = epoch_files(folder)
+    if number is None or not kept:
+        return None
+    oldest, newest = epoch_number(kept[0]), epoch_number(kept[-1])
+    if number > newest:
+        return (
+            f"checkpoint {path} not found: the run in {folder} has trained "
+            f"{newest} epochs so far (`train --resume --epochs N` trains more)."
+        )
+    if number > oldest:
+        return None  # between kept ones: removed by hand, not pruned
+    listed = kept[0].name if len(kept) == 1 else f"{kept[0].name} to {kept[-1].name}"
+    return (
+        f"checkpoint {path} was pruned: its run keeps only its newest epoch "
+        f"checkpoints ({listed} here; train --keep-checkpoints N keeps N). Use "
+        "those: averaging the last epochs is what helps."
+    )
 
 
 def vocabs_from_checkpoint(checkpoint):
@@ -162,16 +199,16 @@ def _check_same_run(first_path, first, path, checkpoint):
     a, b = first["config"], checkpoint["config"]
     keys = sorted((set(a) | set(b)) - set(RESUMABLE))  # what resuming may change
     differ = [k for k in keys if a.get(k) != b.get(k)]
-    if differ:
+    if differ:  # in the order the files are named: the first's value, then path's
         listed = ", ".join(f"{k}={a.get(k)!r} vs {b.get(k)!r}" for k in differ)
         raise DataError(
-            f"{path} and {first_path} have different settings ({listed}); only "
+            f"{first_path} and {path} have different settings ({listed}); only "
             "checkpoints of one training run can be averaged."
         )
     for side in ("vocab_src", "vocab_tgt", "bpe"):
         if first.get(side) != checkpoint.get(side):
             raise DataError(
-                f"{path} and {first_path} have different {side} vocabularies; only "
+                f"{first_path} and {path} have different {side} vocabularies; only "
                 "checkpoints of one training run can be averaged."
             )
 

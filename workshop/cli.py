@@ -28,7 +28,13 @@ PROFILE_NAMES = ("smoke", "quick", "multi30k", "base")
 
 
 class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line, without the usage block."""
+    """An argument parser whose errors are one line, without the usage block, and
+    which takes options only as spelled in full (no abbreviations: `--beam` stays
+    `--beam` when a longer option is added, and a renamed option is an error, not a
+    prefix of its new name)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -55,6 +61,32 @@ def _positive_float(text):
         value = 0.0
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a number above 0, got {text!r}")
+    return value
+
+
+def _finite_positive(text):
+    """argparse type: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number above 0, got {text!r}"
+        )
+    return value
+
+
+def _probability(text):
+    """argparse type: a number above 0 and at most 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(
+            f"must be a number above 0 and at most 1, got {text!r}"
+        )
     return value
 
 
@@ -122,22 +154,82 @@ def build_parser():
         help="seconds to wait for each answer of the server (default: 60)",
     )
     _add_train_command(commands)
-    trans = commands.add_parser("translate", help="translate German sentences")
+    _add_translate_command(commands)
+    figures = commands.add_parser("figures", help="write the book's charts as PNG")
+    figures.add_argument(
+        "--out",
+        default="runs/figures",
+        help="output folder (default: runs/figures; `make figures` writes images/)",
+    )
+    figures.add_argument("names", nargs="*", help="only these charts (default: all)")
+    _add_results_commands(commands)
+    parser.command_names = list(commands.choices)
+    parser.commands = dict(commands.choices)  # each command's own parser, by name
+    return parser
+
+
+def _add_translate_command(commands):
+    """The translate command's options."""
+    trans = commands.add_parser(
+        "translate",
+        help="translate German sentences",
+        description="Translate German sentences, one answer per sentence: each "
+        "argument, or each line of standard input (a blank line gets a blank line).",
+    )
     trans.add_argument("--checkpoint", required=True, help="a .pt from train")
     trans.add_argument(
-        "--beam", type=_positive_int, default=1, help="beam size (1: greedy, default)"
+        "--beam",
+        type=_positive_int,
+        help="beam size (default: 1, greedy; with --n-best K, K)",
     )
     trans.add_argument(
         "--alpha", type=_alpha, default=0.6, help="beam's length penalty α (0.6)"
     )
+    trans.add_argument(
+        "--n-best",
+        type=_positive_int,
+        default=1,
+        metavar="K",
+        help="print the K best translations of each sentence, best first, each "
+        "as LINE<tab>SCORE<tab>TRANSLATION (LINE: the sentence's number, from 1; "
+        "SCORE: beam search's log-probability over its length penalty, or a "
+        "sample's log-probability); default 1: the translation alone",
+    )
+    trans.add_argument(
+        "--sample",
+        action="store_true",
+        help="draw each word from the model's distribution instead of searching "
+        "for the most likely translation (varied, less faithful)",
+    )
+    trans.add_argument(
+        "--temperature",
+        type=_finite_positive,
+        help="with --sample: below 1 sharpens the distribution, above 1 "
+        "flattens it (default: 1)",
+    )
+    trans.add_argument(
+        "--top-k",
+        type=_positive_int,
+        metavar="K",
+        help="with --sample: draw only from the K most likely words",
+    )
+    trans.add_argument(
+        "--top-p",
+        type=_probability,
+        metavar="P",
+        help="with --sample: draw only from the fewest most likely words that "
+        "hold probability P together (0 < P <= 1)",
+    )
+    trans.add_argument(
+        "--seed",
+        type=int,
+        help="with --sample: the same seed, sentences and options draw the same "
+        "translations (default: a fresh seed, printed on stderr)",
+    )
     _add_device(trans)
-    trans.add_argument("sentences", nargs="*", help="sentences (default: stdin)")
-    figures = commands.add_parser("figures", help="write the book's charts as PNG")
-    figures.add_argument("--out", default="images", help="output folder (images/)")
-    figures.add_argument("names", nargs="*", help="only these charts (default: all)")
-    _add_results_commands(commands)
-    parser.command_names = list(commands.choices)
-    return parser
+    trans.add_argument(
+        "sentences", nargs="*", help="sentences (default: stdin, one per line)"
+    )
 
 
 def _add_train_command(commands):
@@ -181,10 +273,21 @@ def _add_train_command(commands):
         help="one matrix for both embeddings and the output (needs --vocab bpe)",
     )
     train.add_argument(
+        "--keep-checkpoints",
+        type=_positive_int,
+        metavar="N",
+        help="keep the newest N epoch_NNN.pt files and delete older ones as each "
+        "epoch ends (last.pt is always kept; default: the profile's, 5)",
+    )
+    train.add_argument(
         "--nprocs", type=_positive_int, default=1, help="spawn K processes"
     )
     _add_device(train)
-    train.add_argument("--quiet", action="store_true")
+    train.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress lines (warnings, errors and the path saved still show)",
+    )
 
 
 def _add_results_commands(commands):
@@ -200,7 +303,12 @@ def _add_results_commands(commands):
         "--beam", type=_positive_int, default=1, help="1: greedy (default)"
     )
     evaluate_cmd.add_argument("--output", help="write the translations to this file")
-    evaluate_cmd.add_argument("--batch-size", type=_positive_int, default=64)
+    evaluate_cmd.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=64,
+        help="sentences translated at once (64)",
+    )
     evaluate_cmd.add_argument("--alpha", type=_alpha, default=0.6, help="beam's α")
     _add_device(evaluate_cmd)
     repro = commands.add_parser(
@@ -217,13 +325,14 @@ def _add_results_commands(commands):
     repro.add_argument("--out", help="checkpoint folder (default runs/PROFILE)")
     repro.add_argument(
         "--results",
-        help="folder for PROFILE.json and .md (default: results; required with "
-        "--limit, whose scores are no results)",
+        help="folder for PROFILE.json and .md (default: the --out folder; `make "
+        "results-PROFILE` writes results/; never results/ with --limit, whose "
+        "scores are no results)",
     )
     repro.add_argument(
         "--images",
-        help="folder for the training curve (default: images; with --limit, the "
-        "--results folder)",
+        help="folder for the training curve (default: the --results folder; `make "
+        "results-PROFILE` writes images/)",
     )
     repro.add_argument(
         "--average",
@@ -248,10 +357,25 @@ def _add_results_commands(commands):
     average_cmd.add_argument("--out", required=True, help="the averaged checkpoint")
     attention = commands.add_parser("attention", help="draw attention maps as PNG")
     attention.add_argument("--checkpoint", required=True, help="a .pt from train")
-    attention.add_argument("--out", default="images", help="output folder (images/)")
-    attention.add_argument("--layer", type=int, default=0, help="-1: the last")
     attention.add_argument(
-        "--head", type=int, action="append", dest="heads", metavar="H", help="repeat"
+        "--out",
+        default="runs/attention",
+        help="output folder (default: runs/attention)",
+    )
+    attention.add_argument(
+        "--layer",
+        type=int,
+        default=-1,
+        help="the layer to draw, counted from 0; -1, the default, is the last",
+    )
+    attention.add_argument(
+        "--head",
+        type=int,
+        action="append",
+        dest="heads",
+        metavar="H",
+        help="a head to draw, counted from 0; repeat the option for several "
+        "(default: every head)",
     )
     _add_device(attention)
     attention.add_argument("sentence", help="a German sentence")
@@ -272,12 +396,8 @@ WRITTEN = {
 def check_combinations(parser, args):
     """Refuse, as argparse refuses a bad option, combinations of options that
     cannot work together, and a path the command would fail to write at its end."""
-    if args.command == "reproduce" and args.limit is not None and not args.results:
-        parser.error(
-            f"reproduce --limit {args.limit} scores only {args.limit} sentences of "
-            "each split, which is no result to keep in results/: name another "
-            "folder for them with --results DIR"
-        )
+    if args.command == "translate":
+        check_translate_options(parser, args)
     for name, folder in WRITTEN.get(args.command, ()):
         path = getattr(args, name)
         reason = None if path is None else why_unwritable(path, folder)
@@ -287,6 +407,34 @@ def check_combinations(parser, args):
                 f"{args.command} --{name} {path}: {reason}, so it cannot be written "
                 f"as {kind}; name another"
             )
+
+
+# translate's options that take effect only with --sample.
+SAMPLING = ("temperature", "top_k", "top_p", "seed")
+
+
+def check_translate_options(parser, args):
+    """Refuse translate's options that do not go together: sampling's without
+    --sample, --sample with a beam, and --n-best beyond the beam asked for."""
+    flag = {name: "--" + name.replace("_", "-") for name in SAMPLING}
+    given = [flag[name] for name in SAMPLING if getattr(args, name) is not None]
+    if given and not args.sample:
+        parser.error(
+            f"translate {' '.join(given)}: sampling's options take effect only with "
+            "--sample; add it, or drop them"
+        )
+    if args.sample and args.beam is not None and args.beam > 1:
+        parser.error(
+            f"translate --sample draws each word and --beam {args.beam} searches: "
+            "choose one"
+        )
+    beam = args.beam or 1
+    if not args.sample and args.beam is not None and args.n_best > beam:
+        parser.error(
+            f"translate --n-best {args.n_best} needs a beam of at least "
+            f"{args.n_best}: raise --beam {args.beam} or drop it (--n-best K "
+            "alone searches with a beam of K)"
+        )
 
 
 # What to lower, per command, when the device runs out of memory.

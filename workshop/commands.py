@@ -5,6 +5,7 @@ cli.py, this module imports torch, the book and the rest of the workshop."""
 from __future__ import annotations
 
 import math
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ from workshop.multi30k import download_multi30k
 from workshop.results import evaluate, reproduce
 from workshop.settings import RunConfig
 from workshop.training import train_model
-from workshop.translation import decode_options, load_translator
+from workshop.translation import Progress, decode_options, load_translator
 
 
 def run(args):
@@ -96,6 +97,7 @@ def train_changes(args):
             ("time_limit", args.time_limit),
             ("vocab", args.vocab),
             ("bpe_vocab_size", args.bpe_vocab_size),
+            ("keep_checkpoints", args.keep_checkpoints),
         )
         if value is not None
     }
@@ -123,13 +125,14 @@ def train(args):
 
 
 def sentences_to_translate(arguments):
-    """The sentences given on the command line, else those read from stdin."""
-    sentences = [s.strip() for s in arguments if s.strip()]
+    """The sentences given on the command line, else the lines of stdin: one
+    sentence each, blank ones kept (each gets a blank line in answer)."""
+    sentences = [s.strip() for s in arguments]
     if not sentences:
         if sys.stdin.isatty():
             print("German sentences, one per line; end with Ctrl-D:", file=sys.stderr)
-        sentences = [line.strip() for line in sys.stdin if line.strip()]
-    if not sentences:
+        sentences = [line.strip() for line in sys.stdin]
+    if not any(sentences):
         raise UsageError(
             "translate: no sentences given. Pass them as arguments, or one per line "
             "on standard input."
@@ -137,12 +140,38 @@ def sentences_to_translate(arguments):
     return sentences
 
 
+def translate_options(args):
+    """Translator.translate's decoding options for translate's arguments (a beam
+    of K for --n-best K unless --beam says otherwise); a sample without --seed gets
+    a fresh seed, said on stderr so that it can be drawn again."""
+    seed = args.seed
+    if args.sample and seed is None:
+        seed = secrets.randbits(31)
+        print(
+            f"sampling with --seed {seed} (pass it to draw the same translations "
+            "again)",
+            file=sys.stderr,
+        )
+    beam = args.beam or (1 if args.sample else args.n_best)
+    sampling = dict(temperature=args.temperature or 1.0, top_k=args.top_k)
+    sampling |= dict(top_p=args.top_p, seed=seed)
+    return decode_options(beam, args.alpha, sample=args.sample, **sampling)
+
+
 def translate(args):
+    options = translate_options(args)
     translator = load_translator(args.checkpoint, args.device)
     sentences = sentences_to_translate(args.sentences)
-    options = decode_options(args.beam, args.alpha)
-    for line in translator.translate(sentences, **options):
-        print(line)
+    found = translator.translate(
+        sentences, n_best=args.n_best, progress=Progress(), **options
+    )
+    if args.n_best == 1:
+        for line in found:
+            print(line)
+        return
+    for number, hypotheses in enumerate(found, 1):
+        for text, score in hypotheses:
+            print(f"{number}\t{score:.4f}\t{text}")
 
 
 def figures(args):
@@ -163,13 +192,14 @@ def evaluate_command(args):
 
 
 def reproduce_command(args):
-    results = args.results or "results"
+    out = args.out or Path("runs") / args.profile
+    results = args.results or out
     reproduce(
         args.profile,
         data_dir_of(args),
-        args.out or Path("runs") / args.profile,
+        out,
         results,
-        args.images or (results if args.limit else "images"),
+        args.images or results,
         windows=numbers(args.average, "--average", int, "2,3,5"),
         beam_sizes=numbers(args.beam, "--beam", int, "4,6"),
         alphas=numbers(args.alphas, "--alphas", float, "0.6,1.0"),

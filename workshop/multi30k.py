@@ -42,6 +42,23 @@ def how_to_get_data(data_dir):
     )
 
 
+def how_to_get_other_split(data_dir, split):
+    """What to do for a split that `make data` does not fetch: put its two files
+    there; and which splits the folder holds."""
+    src, tgt = f".{tat.SRC_LANG}.gz", f".{tat.TGT_LANG}.gz"
+    there = sorted(
+        p.name.removesuffix(src)
+        for p in Path(data_dir).glob(f"*{src}")
+        if p.with_name(p.name.removesuffix(src) + tgt).is_file()
+    )
+    fetched = sorted({name.split(".")[0] for name in MULTI30K_SHA256})
+    return (
+        f"`make data` and `download` fetch only {', '.join(fetched)}: for {split}, put "
+        f"{split}{src} and {split}{tgt} (gzipped text, one sentence a line) in "
+        f"{data_dir}. Splits there: {', '.join(there) or 'none'}."
+    )
+
+
 MULTI30K_SIZES = {"train": 29000, "val": 1014, "test_2016_flickr": 1000}
 
 
@@ -195,6 +212,10 @@ def verify_split(data_dir, split):
     data_dir, lines = Path(data_dir), []
     for lang in (tat.SRC_LANG, tat.TGT_LANG):
         path = data_dir / f"{split}.{lang}.gz"
+        if not path.is_file() and path.name not in MULTI30K_SHA256:
+            raise DataError(
+                f"{path} not found. {how_to_get_other_split(data_dir, split)}"
+            )
         if not path.is_file():
             raise DataError(f"{path} not found. {how_to_get_data(data_dir)}")
         expected = MULTI30K_SHA256.get(path.name)

@@ -20,7 +20,7 @@ from the_annotated_transformer import (
     load_tokenizers,
     tokenize,
 )
-from workshop.checkpoints import average_checkpoints, load_checkpoint
+from workshop.checkpoints import average_checkpoints, epoch_number, load_checkpoint
 from workshop.errors import DataError, UsageError, checking_input
 from workshop.figures import save_png
 from workshop.files import atomic_write_text, why_unwritable
@@ -246,8 +246,8 @@ def _report(
     run = load_checkpoint(out_dir / "last.pt")  # holds the losses of every epoch
     history = run["history"]
     # This run's epoch files, up to its last epoch, in epoch order.
-    epochs = [p for p in epoch_files(out_dir) if _epoch_number(p) <= len(history)]
-    if not epochs or _epoch_number(epochs[-1]) != len(history):
+    epochs = [p for p in epoch_files(out_dir) if epoch_number(p) <= len(history)]
+    if not epochs or epoch_number(epochs[-1]) != len(history):
         raise DataError(
             f"{out_dir} lacks epoch_{len(history):03d}.pt, the checkpoint of its "
             "last epoch; the folder is incomplete."
@@ -255,10 +255,16 @@ def _report(
     candidates = {"last epoch": epochs[-1]}
     dropped = sorted({k for k in windows if k > len(epochs)})
     if dropped:
+        why = f"the run trained only {len(history)} epochs"
+        if len(epochs) < len(history):  # the run pruned the older ones
+            why = (
+                f"{out_dir} holds only its newest {len(epochs)} epoch checkpoints "
+                f"of {len(history)} (train --keep-checkpoints N keeps N; this run's "
+                f"is {run['config'].get('keep_checkpoints')})"
+            )
         print(
             f"warning: reproduce: averages of the last {_listed(dropped)} epochs "
-            f"dropped: {out_dir} keeps only {len(epochs)} epoch checkpoints "
-            "(the run's keep_checkpoints).",
+            f"dropped: {why}.",
             file=sys.stderr,
         )
     for k in sorted({k for k in windows if 1 < k <= len(epochs)}):
@@ -334,10 +340,6 @@ def _report(
     return record
 
 
-def _epoch_number(path):
-    return int(Path(path).stem.removeprefix("epoch_"))
-
-
 def results_row(record):
     """The record as one row of the README's Results table (Markdown)."""
     minutes = record["train_seconds"] / 60
@@ -360,12 +362,18 @@ def results_row(record):
 
 
 def provenance_line(record):
-    """Where the numbers come from: the commit, torch, and a limit if there was one."""
-    commit = record.get("commit")
-    source = "outside a git checkout" if commit is None else f"commit `{commit[:12]}`"
-    if record.get("uncommitted_changes"):
-        source += " with uncommitted changes"
-    line = f"Scored from {source} with torch {record['torch']}."
+    """Where the numbers come from: the commit, torch, and a limit if there was one.
+
+    A record written before these fields existed (results/multi30k.json) says that it
+    does not know, rather than failing."""
+    if "torch" not in record:
+        line = "Scored before records named their commit and torch version."
+    else:
+        commit = record.get("commit")
+        where = "outside a git checkout" if commit is None else f"commit `{commit[:12]}`"
+        if record.get("uncommitted_changes"):
+            where += " with uncommitted changes"
+        line = f"Scored from {where} with torch {record['torch']}."
     trained = record.get("training") or []
     versions = sorted({part["torch"] for part in trained})
     if versions:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from workshop.checkpoints import (
     checkpoint_size,
+    epoch_files,
     load_checkpoint,
     save_checkpoint,
     save_vocab,
@@ -31,16 +32,6 @@ RESUME_KEYS = (
     "train_state",
     "history",
 )
-
-
-def epoch_files(out_dir):
-    """A run's `epoch_NNN.pt` files, ordered by their epoch number."""
-    found = []
-    for path in Path(out_dir).glob("epoch_*.pt"):
-        number = path.stem.removeprefix("epoch_")
-        if number.isdigit():
-            found.append((int(number), path))
-    return [path for _, path in sorted(found)]
 
 
 def check_run_folder(out_dir):
@@ -107,8 +98,9 @@ def last_epoch_seconds(history):
 
 def resume_config(out_dir, **changes):
     """The settings of the run in `out_dir`, with the changes a resumed run may
-    make (settings.RESUMABLE): more `epochs`, and a `time_limit` for this
-    invocation (the run's own is not kept: without one it trains to the end). Any
+    make (settings.RESUMABLE): more `epochs`, a `time_limit` for this
+    invocation (the run's own is not kept: without one it trains to the end), and
+    how many epoch checkpoints it keeps from now on (`keep_checkpoints`). Any
     other change is refused: a resumed run continues the run it resumes. So is a
     resume that would train nothing: the run has finished its epochs, or this
     invocation's time limit is shorter than the run's last epoch, which

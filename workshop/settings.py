@@ -145,10 +145,10 @@ class RunConfig(tat.TrainConfig):
             )
 
 
-# The settings a resumed run may change: more epochs, and the time limit of the new
-# invocation (none unless it is given one). Checkpoints of one run may differ in
-# these alone.
-RESUMABLE = ("epochs", "time_limit")
+# The settings a resumed run may change: more epochs, the time limit of the new
+# invocation (none unless it is given one) and how many epoch checkpoints it keeps.
+# Checkpoints of one run may differ in these alone.
+RESUMABLE = ("epochs", "time_limit", "keep_checkpoints")
 
 
 TRAIN_PROFILES = {

@@ -163,6 +163,54 @@ def loss_compute_for_run(generator, criterion, amp_dtype=None, distributed=False
     return kind(generator, criterion, amp_dtype)
 
 
+def duration(seconds):
+    """Seconds as m:ss, or h:mm:ss from an hour on, for the training log."""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+class StepLog:
+    """The loss computation of a run's main process, which also writes the training
+    log: every log_every micro-batches, the book's step line (step, optimizer
+    steps, loss, rate) with the time the epoch has run and an estimate of the time
+    to its end (the epoch's batches so far, at their pace). Evaluation (nll) passes
+    through. Call start(batches) as each epoch begins; `clock` is for tests."""
+
+    def __init__(
+        self, loss_compute, optimizer, train_state, log_every, say, clock=None
+    ):
+        self.loss_compute, self.criterion = loss_compute, loss_compute.criterion
+        self.optimizer, self.state = optimizer, train_state
+        self.log_every, self.say = log_every, say
+        self.clock = clock or time.perf_counter
+        self.start(0)
+
+    def start(self, batches, train_state=None):
+        """A new epoch of `batches` micro-batches begins now."""
+        self.batches, self.done, self.began = batches, 0, self.clock()
+        self.state = train_state or self.state
+
+    def nll(self, x, y):
+        return self.loss_compute.nll(x, y)
+
+    def __call__(self, x, y, norm):
+        loss, loss_node = self.loss_compute(x, y, norm)
+        self.done += 1
+        step = self.state.step + 1  # the book's count of this micro-batch, as it
+        if step % self.log_every == 1 or self.log_every == 1:  # would print it
+            tokens = int((y != self.criterion.padding_idx).sum())
+            elapsed = self.clock() - self.began
+            left = elapsed / self.done * (self.batches - self.done)
+            self.say(
+                f"  step {step:6d} | optimizer steps {self.state.accum_step:5d} | "
+                f"loss (smoothed) {loss.item() / tokens:7.4f} | lr "
+                f"{self.optimizer.param_groups[0]['lr']:.2e} | {duration(elapsed)} "
+                f"into the epoch, about {duration(left)} to its end"
+            )
+        return loss, loss_node
+
+
 @dataclass
 class Job:
     """What one process of a training run needs to know: the run's settings and
@@ -300,6 +348,10 @@ def train(job):
     loss_compute = loss_compute_for_run(
         module.generator, criterion, amp, job.distributed
     )
+    if job.rank == 0 and not job.quiet:  # the main process writes the log
+        loss_compute = StepLog(
+            loss_compute, optimizer, train_state, config.log_every, say
+        )
     val_sampler = TokenBudgetBatchSampler(
         data.lengths("val"), config.max_tokens, shuffle=False
     )
@@ -330,6 +382,8 @@ def train(job):
         sampler.set_epoch(epoch)
         torch.manual_seed(epoch_seed(config.seed, epoch, job.rank))
         say(f"epoch {epoch + 1}/{config.epochs}: {len(sampler)} batches per process")
+        if isinstance(loss_compute, StepLog):
+            loss_compute.start(len(sampler), train_state)
         tokens_before = train_state.tokens
         if job.distributed:
             model.plan_epoch(len(sampler), config.accum_iter)
@@ -339,7 +393,7 @@ def train(job):
             loss_compute,
             optimizer,
             scheduler,
-            mode="train" if job.quiet or job.rank else "train+log",  # main one logs
+            mode="train",  # the main process's StepLog writes the log
             accum_iter=config.accum_iter,
             train_state=train_state,
             log_every=config.log_every,
@@ -364,7 +418,22 @@ def train(job):
             }
             last = save_epoch(job.out_dir, config, data, module, epoch, progress, did)
         epoch_seconds = time.perf_counter() - epoch_began
+    if job.rank == 0 and last is not None:
+        print(saved_line(job.out_dir, last, config.epochs, began))
     return history
+
+
+def saved_line(out_dir, last, epochs, began):
+    """The run's last line: what it saved, where, and the command that uses it."""
+    done = last["epoch"] + 1
+    path = out_dir / "last.pt"
+    which = "" if done == epochs else f" of {epochs}"
+    use = shlex.join(["python", "-m", "workshop", "translate", "--checkpoint"])
+    return (
+        f"saved {path} (epoch {done}{which}; this invocation "
+        f"{duration(time.perf_counter() - began)}); translate with it: "
+        f'{use} {shlex.quote(str(path))} "Ein Satz."'
+    )
 
 
 def epoch_record(epoch, train_loss, val_nll, seconds, tokens, say):
