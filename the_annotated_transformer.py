@@ -1928,13 +1928,13 @@ class LabelSmoothing(nn.Module):
         super().__init__()
         self.padding_idx, self.size = padding_idx, size
         self.confidence, self.smoothing = 1.0 - smoothing, smoothing
-        self._last_target = None
+        self.spread = smoothing / (size - 2)  # q of a word not the target nor padding
+        self.last_target = None  # the target ids of the last call, for true_dist
 
     def smoothed_targets(self, target, dtype=None):
         """The target distribution q, one row per target id: (n, size)."""
-        spread = self.smoothing / (self.size - 2)
         shape = (target.size(0), self.size)
-        true_dist = torch.full(shape, spread, dtype=dtype, device=target.device)
+        true_dist = torch.full(shape, self.spread, dtype=dtype, device=target.device)
         true_dist.scatter_(1, target.unsqueeze(1), self.confidence)
         true_dist[:, self.padding_idx] = 0
         true_dist[target == self.padding_idx] = 0  # padding positions: no target
@@ -1943,13 +1943,13 @@ class LabelSmoothing(nn.Module):
     @property
     def true_dist(self):
         """q for the targets of the last call (as in the original notebook)."""
-        if self._last_target is None:
+        if self.last_target is None:
             return None
-        return self.smoothed_targets(self._last_target)
+        return self.smoothed_targets(self.last_target)
 
     def forward(self, x, target):
         """x: (n, size) log-probabilities; target: (n,) ids. Returns the summed loss."""
-        self._last_target = target.detach()
+        self.last_target = target.detach()
         return F.kl_div(x, self.smoothed_targets(target, x.dtype), reduction="sum")
 
 

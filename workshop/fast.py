@@ -90,19 +90,9 @@ class LabelSmoothing(tat.LabelSmoothing):
     q takes two values: `confidence` on the target and `spread` on every other word
     but padding. So sum_c q_c (log q_c - x_c) is -confidence * x_target - spread *
     (the sum of the other non-padding x_c) + sum_c q_c log q_c, and the gradient with
-    respect to x is -q, which the backward pass writes once.
+    respect to x is -q, which the backward pass writes once. `spread`, `last_target`
+    and `true_dist` are the book's.
     """
-
-    def __init__(self, size, padding_idx, smoothing=0.0):
-        super().__init__(size, padding_idx, smoothing)
-        self.last_target = None  # the targets of the last call, for true_dist
-
-    @property
-    def true_dist(self):
-        """q for the targets of the last call, as the book's LabelSmoothing has it."""
-        if self.last_target is None:
-            return None
-        return self.smoothed_targets(self.last_target)
 
     def forward(self, x, target):
         """x: (n, size) log-probabilities; target: (n,) ids. Returns the summed loss."""
@@ -112,10 +102,9 @@ class LabelSmoothing(tat.LabelSmoothing):
 
 def neg_entropy(crit):
     """sum_c q_c log q_c of one non-padding row: the loss's constant part."""
-    spread = crit.smoothing / (crit.size - 2)
     value = crit.confidence * math.log(crit.confidence)
-    if spread > 0:
-        value += (crit.size - 2) * spread * math.log(spread)
+    if crit.spread > 0:
+        value += (crit.size - 2) * crit.spread * math.log(crit.spread)
     return value
 
 
@@ -124,11 +113,10 @@ class _SmoothedKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, target, crit):
-        spread = crit.smoothing / (crit.size - 2)
         pad = crit.padding_idx
         x_target = x.gather(1, target.unsqueeze(1)).squeeze(1)
         x_others = x.sum(1) - x[:, pad] - x_target
-        cross_entropy = -(crit.confidence * x_target + spread * x_others)
+        cross_entropy = -(crit.confidence * x_target + crit.spread * x_others)
         per_row = cross_entropy + neg_entropy(crit)
         ctx.save_for_backward(target)
         ctx.crit, ctx.dtype = crit, x.dtype
