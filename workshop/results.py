@@ -370,7 +370,9 @@ def provenance_line(record):
         line = "Scored before records named their commit and torch version."
     else:
         commit = record.get("commit")
-        where = "outside a git checkout" if commit is None else f"commit `{commit[:12]}`"
+        where = (
+            "outside a git checkout" if commit is None else f"commit `{commit[:12]}`"
+        )
         if record.get("uncommitted_changes"):
             where += " with uncommitted changes"
         line = f"Scored from {where} with torch {record['torch']}."
