@@ -23,10 +23,10 @@ from torch import nn
 # repository root (PYTHONPATH=. .venv/bin/python benchmarks/bench.py by hand).
 import the_annotated_transformer as tat
 from workshop import fast
+from workshop.distributed import parse_device as parse_device  # re-exported
 from workshop.flops import memory_projections as memory_projections  # re-exported
 from workshop.flops import training_flops as training_flops  # re-exported
 from workshop.precision import bf16_pays as bf16_pays  # re-exported, see above
-from workshop.processes import parse_device as parse_device  # re-exported
 from workshop.settings import RunConfig
 from workshop.training import loss_compute_for_run, models_for_run
 from workshop.translation import beam_search

@@ -24,7 +24,7 @@ import torch
 # The repository root is on sys.path through pyproject.toml's `pythonpath = ["."]`.
 import the_annotated_transformer as tat
 from workshop import checkpoints, multi30k, results, settings, training, translation
-from workshop.processes import free_port as free_port  # the tests' free ports too
+from workshop.distributed import free_port as free_port  # the tests' free ports too
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -40,9 +40,9 @@ from workshop import (
     checkpoints,
     cli,
     commands,
+    distributed,
     errors,
     multi30k,
-    processes,
     results,
     run_folders,
     run_lock,
@@ -1186,8 +1186,8 @@ def test_train_with_processes_checks_the_data_before_spawning_them(
         raise AssertionError("spawned before the data was checked")
 
     monkeypatch.setattr(mp, "spawn", spawn)
-    monkeypatch.setattr(processes.os, "cpu_count", lambda: 4)
-    monkeypatch.setattr(processes.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(distributed.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(distributed.torch.cuda, "is_available", lambda: False)
     argv = ["train", "--data-dir", str(tmp_path / "no_data"), "--out", str(tmp_path)]
     assert cli.main([*argv, "--nprocs", "2", "--profile", "smoke"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
@@ -1206,8 +1206,8 @@ def test_train_with_processes_builds_the_vocabularies_once_for_every_rank(
         raise KeyboardInterrupt  # stop here: what matters is what they are handed
 
     monkeypatch.setattr(mp, "spawn", spawn)
-    monkeypatch.setattr(processes.os, "cpu_count", lambda: 4)
-    monkeypatch.setattr(processes.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(distributed.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(distributed.torch.cuda, "is_available", lambda: False)
     config = settings.RunConfig.from_profile("smoke", max_train_pairs=200)
     with pytest.raises(KeyboardInterrupt):
         training.train_model(
@@ -1221,14 +1221,14 @@ def test_train_with_processes_builds_the_vocabularies_once_for_every_rank(
 
 def test_each_spawned_cpu_process_gets_its_share_of_the_cores(monkeypatch):
     before = torch.get_num_threads()
-    monkeypatch.setattr(processes.os, "cpu_count", lambda: 4)
-    monkeypatch.setattr(processes.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(distributed.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(distributed.torch.cuda, "is_available", lambda: False)
 
     def worker(rank, world_size, *args):
         return rank, world_size, args, torch.get_num_threads()
 
     try:
-        seen = [processes.start_process(rank, worker, 2, ("job",)) for rank in (0, 1)]
+        seen = [distributed.start_process(rank, worker, 2, ("job",)) for rank in (0, 1)]
     finally:
         torch.set_num_threads(before)
     assert seen == [(0, 2, ("job",), 2), (1, 2, ("job",), 2)]

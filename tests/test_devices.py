@@ -17,7 +17,7 @@ from conftest import REPO_ROOT
 from torch.overrides import TorchFunctionMode
 
 import the_annotated_transformer as tat
-from workshop import fast, precision, processes, training, translation
+from workshop import distributed, fast, precision, training, translation
 
 META = torch.device("meta")
 VOCAB, PAD, START = 11, 0, 1
@@ -105,7 +105,7 @@ class CollectiveRecorder:
 
 def test_the_loss_norm_over_processes_is_exchanged_on_the_device(monkeypatch):
     recorder = CollectiveRecorder(monkeypatch)
-    norm = processes.mean_over_processes(42, META)
+    norm = distributed.mean_over_processes(42, META)
     assert recorder.devices == [META] and norm.device == META
 
 
@@ -149,18 +149,18 @@ def test_on_a_gpu_bf16_is_the_hardwares_answer_not_a_timing(
 def one_gpu_four_cores(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(processes.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(distributed.os, "cpu_count", lambda: 4)
 
 
 def test_on_a_one_gpu_machine_two_cpu_processes_are_allowed(one_gpu_four_cores):
-    processes.check_nprocs(2, "cpu")  # the cores count, not the GPU
-    processes.check_nprocs(4, torch.device("cpu"))
+    distributed.check_nprocs(2, "cpu")  # the cores count, not the GPU
+    distributed.check_nprocs(4, torch.device("cpu"))
     with pytest.raises(
         ValueError, match="--nprocs 2: this machine has 1 GPUs.*--device cpu"
     ):
-        processes.check_nprocs(2)  # the default device is the GPU
+        distributed.check_nprocs(2)  # the default device is the GPU
     with pytest.raises(ValueError, match="4 CPU cores"):
-        processes.check_nprocs(5, "cpu")
+        distributed.check_nprocs(5, "cpu")
 
 
 # ---------------------------------------------------------------------------
@@ -175,15 +175,15 @@ def apple_silicon(monkeypatch):
 
 
 def test_mps_is_a_device_where_torch_reports_it(apple_silicon):
-    assert processes.parse_device("mps") == torch.device("mps")
-    assert processes.device_for(0, "mps") == torch.device("mps")
-    processes.check_nprocs(1, "mps")
+    assert distributed.parse_device("mps") == torch.device("mps")
+    assert distributed.device_for(0, "mps") == torch.device("mps")
+    distributed.check_nprocs(1, "mps")
 
 
 def test_mps_is_refused_in_one_line_where_torch_does_not_report_it(monkeypatch):
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     with pytest.raises(ValueError, match="MPS .* not available .*--device cpu"):
-        processes.parse_device("mps")
+        distributed.parse_device("mps")
 
 
 def test_a_run_on_mps_trains_in_float32_without_timing_anything(
@@ -203,7 +203,7 @@ def test_a_run_on_mps_trains_in_float32_without_timing_anything(
 
 def test_a_run_on_mps_takes_one_process(apple_silicon):
     with pytest.raises(ValueError, match="--nprocs 2: .* on MPS a run trains in one"):
-        processes.check_nprocs(2, "mps")
+        distributed.check_nprocs(2, "mps")
 
 
 @pytest.mark.parametrize(
@@ -236,14 +236,14 @@ def test_every_command_that_runs_a_model_hands_mps_on(
 def test_each_process_of_a_gpu_run_takes_its_own_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert [processes.device_for(rank) for rank in range(3)] == [
+    assert [distributed.device_for(rank) for rank in range(3)] == [
         torch.device("cuda", 0),
         torch.device("cuda", 1),
         torch.device("cuda", 0),
     ]
-    assert processes.device_for(1, "cuda") == torch.device("cuda", 1)
-    assert processes.device_for(1, "cuda:0") == torch.device("cuda", 0)
-    assert processes.device_for(1, "cpu") == torch.device("cpu")
+    assert distributed.device_for(1, "cuda") == torch.device("cuda", 1)
+    assert distributed.device_for(1, "cuda:0") == torch.device("cuda", 0)
+    assert distributed.device_for(1, "cpu") == torch.device("cpu")
 
 
 def test_a_cpu_run_with_processes_on_a_gpu_machine_shares_the_cores(

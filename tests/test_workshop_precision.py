@@ -12,8 +12,8 @@ from conftest import (
 import the_annotated_transformer as tat
 from workshop import (
     checkpoints,
+    distributed,
     precision,
-    processes,
     settings,
     training,
 )
@@ -152,8 +152,8 @@ def test_a_run_picks_the_model_and_loss_wrappers_for_its_precision():
     both = training.loss_compute_for_run(
         model.generator, criterion, torch.bfloat16, True
     )
-    assert type(both) is processes.DistributedAutocastLossCompute
-    assert isinstance(both, processes.DistributedLossCompute)
+    assert type(both) is distributed.DistributedAutocastLossCompute
+    assert isinstance(both, distributed.DistributedLossCompute)
     assert (
         isinstance(both, precision.AutocastLossCompute) and both.dtype == torch.bfloat16
     )

@@ -12,7 +12,7 @@
 - provenance.py   what a run did: its precision, versions, commit and machine
 - checkpoints.py  vocabulary and checkpoint files, and averaging checkpoints
 - precision.py    bfloat16 where it pays (a measured probe, autocast wrappers)
-- processes.py    several processes (DistributedDataParallel) around the book's loop
+- distributed.py  several processes (DistributedDataParallel) around the book's loop
 - translation.py  translating with a checkpoint (load_translator), one answer per
                   sentence; beam search over a whole batch, n-best lists,
                   sampling, progress

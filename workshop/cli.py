@@ -107,7 +107,7 @@ def _alpha(text):
 def _device(text):
     """argparse type: a device this machine has ("cpu", "cuda", "cuda:1", "mps");
     torch is imported to ask, only when the option is given."""
-    from workshop.processes import parse_device
+    from workshop.distributed import parse_device
 
     try:
         return parse_device(text)

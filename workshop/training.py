@@ -2,7 +2,7 @@
 
 A run trains the book's model with workshop.fast's CPU speed tricks, in bfloat16
 where it pays (workshop.precision), in one process or several
-(workshop.processes), and writes a checkpoint every epoch into its folder
+(workshop.distributed), and writes a checkpoint every epoch into its folder
 (workshop.run_folders), which it holds for itself while it runs
 (workshop.run_lock), stopping before its time limit would pass. Its checkpoints
 record what it did (workshop.provenance). train_model is the entry; a Job is what
@@ -40,15 +40,7 @@ from workshop.checkpoints import (
     save_checkpoint,
     vocabs_from_checkpoint,
 )
-from workshop.errors import DataError
-from workshop.flops import epochs_for_budget, training_flops
-from workshop.precision import (
-    Autocast,
-    AutocastLossCompute,
-    amp_dtype_for,
-    use_tf32,
-)
-from workshop.processes import (
+from workshop.distributed import (
     DistributedAutocastLossCompute,
     DistributedLossCompute,
     GroupSyncDDP,
@@ -57,6 +49,14 @@ from workshop.processes import (
     device_for,
     epoch_seed,
     spawn,
+)
+from workshop.errors import DataError
+from workshop.flops import epochs_for_budget, training_flops
+from workshop.precision import (
+    Autocast,
+    AutocastLossCompute,
+    amp_dtype_for,
+    use_tf32,
 )
 from workshop.provenance import PRECISIONS, invocation, precision_name
 from workshop.run_folders import (

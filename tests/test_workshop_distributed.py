@@ -1,4 +1,4 @@
-"""Several processes (workshop.processes): the loss's norm over processes, one
+"""Several processes (workshop.distributed): the loss's norm over processes, one
 gradient exchange per optimizer step, two processes end to end, and the batches
 shared among them."""
 
@@ -21,7 +21,7 @@ from conftest import (
 import the_annotated_transformer as tat
 from workshop import (
     checkpoints,
-    processes,
+    distributed,
     training,
 )
 
@@ -92,13 +92,13 @@ def test_micro_batches_that_do_not_end_a_group_run_without_gradient_exchange(
     epoch's last), as the 2018/2022 notebook's loop did with no_sync()."""
     batches = [ddp_halves()[0]] * n_batches
     module = ddp_test_model()
-    model = processes.GroupSyncDDP(module)
+    model = distributed.GroupSyncDDP(module)
     seen = []  # DDP's public switch, as each forward pass of the module finds it
     module.register_forward_pre_hook(
         lambda *_: seen.append(model.require_backward_grad_sync)
     )
     model.plan_epoch(n_batches, accum_iter=2)
-    loss_compute = processes.DistributedLossCompute(module.generator, ddp_criterion())
+    loss_compute = distributed.DistributedLossCompute(module.generator, ddp_criterion())
     optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
     _, state = tat.run_epoch(batches, model, loss_compute, optimizer, accum_iter=2)
     assert seen == synced
@@ -141,11 +141,11 @@ def test_gradients_are_exchanged_once_per_optimizer_step(
     first of each group's gradients to itself, so there are two exchanges (of the
     model's one bucket); without one, every backward pass exchanges."""
     module = ddp_test_model()
-    model = processes.GroupSyncDDP(module)
+    model = distributed.GroupSyncDDP(module)
     seen = counting_exchanges(model)
     if plan:
         model.plan_epoch(4, accum_iter=2)
-    loss_compute = processes.DistributedLossCompute(module.generator, ddp_criterion())
+    loss_compute = distributed.DistributedLossCompute(module.generator, ddp_criterion())
     sgd_epoch(model, module, loss_compute, ddp_halves() * 2, accum_iter=2)
     assert len(seen) == exchanges and set(seen) == {0}
 
@@ -166,12 +166,12 @@ def test_ddp_without_a_plan_exchanges_gradients_after_every_micro_batch(
     one_process_group,
 ):
     module = ddp_test_model()
-    model = processes.GroupSyncDDP(module)
+    model = distributed.GroupSyncDDP(module)
     seen = []
     module.register_forward_pre_hook(
         lambda *_: seen.append(model.require_backward_grad_sync)
     )
-    loss_compute = processes.DistributedLossCompute(module.generator, ddp_criterion())
+    loss_compute = distributed.DistributedLossCompute(module.generator, ddp_criterion())
     sgd_epoch(model, module, loss_compute, ddp_halves() * 2, accum_iter=2)
     assert seen == [True] * 4
 
@@ -179,13 +179,13 @@ def test_ddp_without_a_plan_exchanges_gradients_after_every_micro_batch(
 def test_the_distributed_norm_is_the_mean_token_count_over_processes_as_a_tensor(
     one_process_group,
 ):
-    mean = processes.mean_over_processes(37, torch.device("cpu"))
+    mean = distributed.mean_over_processes(37, torch.device("cpu"))
     assert torch.is_tensor(mean) and mean.dtype == torch.float32
     assert mean.item() == 37.0  # one process: its own count, exactly
     module = ddp_test_model()
     batch = ddp_halves()[0]
     out = module(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
-    ours = processes.DistributedLossCompute(module.generator, ddp_criterion())
+    ours = distributed.DistributedLossCompute(module.generator, ddp_criterion())
     book = tat.SimpleLossCompute(module.generator, ddp_criterion())
     loss, node = ours(out, batch.tgt_y, 37)
     book_loss, book_node = book(out, batch.tgt_y, 37)
@@ -261,19 +261,19 @@ def test_two_processes_on_halves_of_a_batch_take_the_one_process_step(tmp_path):
 
 
 def test_epoch_seeds_differ_by_rank_and_epoch_and_repeat_for_the_same_ones():
-    seeds = {processes.epoch_seed(0, e, r) for e in range(3) for r in range(4)}
+    seeds = {distributed.epoch_seed(0, e, r) for e in range(3) for r in range(4)}
     assert len(seeds) == 12
-    assert processes.epoch_seed(1, 0, 0) != processes.epoch_seed(
+    assert distributed.epoch_seed(1, 0, 0) != distributed.epoch_seed(
         0, 1, 0
     )  # not seed + epoch
     # A resumed run draws its epoch's seed in another process: the seed must not
     # depend on the global random state nor on Python's per-process string hashing.
-    here = [processes.epoch_seed(0, 1, 1), processes.epoch_seed(7, 2, 0)]
+    here = [distributed.epoch_seed(0, 1, 1), distributed.epoch_seed(7, 2, 0)]
     torch.rand(3), np.random.rand(3), random.random()  # move every global generator
-    assert [processes.epoch_seed(0, 1, 1), processes.epoch_seed(7, 2, 0)] == here
+    assert [distributed.epoch_seed(0, 1, 1), distributed.epoch_seed(7, 2, 0)] == here
     code = (
-        "from workshop import processes\n"
-        "print(processes.epoch_seed(0, 1, 1), processes.epoch_seed(7, 2, 0))"
+        "from workshop import distributed\n"
+        "print(distributed.epoch_seed(0, 1, 1), distributed.epoch_seed(7, 2, 0))"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run(
@@ -307,7 +307,7 @@ def test_two_processes_train_an_epoch_to_the_end_without_hanging(
     )
     shares = [
         list(
-            processes.ShardedBatchSampler(
+            distributed.ShardedBatchSampler(
                 data.lengths("train"), config.max_tokens, num_replicas=2, rank=r
             )
         )
@@ -344,7 +344,7 @@ def test_two_ranks_get_disjoint_equal_counts_of_batches_covering_the_epoch(
         if len(tat.TokenBudgetBatchSampler(lengths, b).all_batches()) % 2
     )
     ranks = [
-        processes.ShardedBatchSampler(lengths, budget, seed=2, num_replicas=2, rank=r)
+        distributed.ShardedBatchSampler(lengths, budget, seed=2, num_replicas=2, rank=r)
         for r in (0, 1)
     ]
     for epoch in (0, 1):
@@ -362,15 +362,17 @@ def test_two_ranks_get_disjoint_equal_counts_of_batches_covering_the_epoch(
 
 def test_sampler_rejects_a_rank_outside_the_replicas_and_too_few_examples():
     with pytest.raises(ValueError, match="rank"):
-        processes.ShardedBatchSampler([3, 4], 10, num_replicas=2, rank=2)
+        distributed.ShardedBatchSampler([3, 4], 10, num_replicas=2, rank=2)
     with pytest.raises(ValueError, match="cannot be shared"):
-        processes.ShardedBatchSampler([3], 10, num_replicas=2, rank=0)
+        distributed.ShardedBatchSampler([3], 10, num_replicas=2, rank=0)
 
 
 @pytest.mark.parametrize("n, replicas", [(5, 2), (7, 3), (9, 4), (2, 2)])
 def test_every_process_gets_as_many_batches_when_each_batch_holds_one_pair(n, replicas):
     shares = [
-        list(processes.ShardedBatchSampler([10] * n, 1, num_replicas=replicas, rank=r))
+        list(
+            distributed.ShardedBatchSampler([10] * n, 1, num_replicas=replicas, rank=r)
+        )
         for r in range(replicas)
     ]
     assert len({len(share) for share in shares}) == 1
