@@ -23,10 +23,10 @@ only when `--json` is given, so it never overwrites the full figures. `--quick`
 checks that every figure runs (under half a minute on 2 cores); its numbers are not
 figures to quote.
 
-The figures live beside this file, one module a job: settings.py (sizes and how
-much work), timing.py (the timing harness and the machine), workloads.py (models,
-data, training and decoding; every workshop/ import), table.py (rows and goals),
-and figures_training.py, figures_decoding.py and figures_footprint.py.
+The figures live beside this file, one module a job: bench_settings.py (sizes and
+how much work), timing.py (the timing harness and the machine), workloads.py
+(models, data, training and decoding; every workshop/ import), table.py (rows and
+goals), and figures_training.py, figures_decoding.py and figures_footprint.py.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import the_annotated_transformer as tat
 
 # isort: split
 # This folder's modules (bench.py runs as a script, so benchmarks/ is on sys.path).
+from bench_settings import QUICK, Settings
 from figures_decoding import figure_batching, figure_beam, figure_decoding
 from figures_footprint import figure_memory, figure_startup
 from figures_training import (
@@ -52,7 +53,6 @@ from figures_training import (
     figure_pipeline,
     figure_training,
 )
-from settings import QUICK, Settings
 from table import print_table
 from timing import has_amx_bf16, machine
 from workloads import parse_device

@@ -11,7 +11,7 @@ import the_annotated_transformer as tat
 
 # isort: split
 # This folder's modules (bench.py runs as a script, so benchmarks/ is on sys.path).
-from settings import TRANSLATE_BATCH
+from bench_settings import TRANSLATE_BATCH
 from table import Goal, Row
 from timing import median_times
 from workloads import (

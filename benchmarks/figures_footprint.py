@@ -26,7 +26,7 @@ import the_annotated_transformer as tat
 
 # isort: split
 # This folder's modules (bench.py runs as a script, so benchmarks/ is on sys.path).
-from settings import MAX_SENTENCE, ROOT, TRAIN_BATCH, Sizes
+from bench_settings import MAX_SENTENCE, ROOT, TRAIN_BATCH, Sizes
 from table import Goal, Row
 from timing import fresh_process_time, fresh_python_time, median_times, timed_call
 from workloads import (

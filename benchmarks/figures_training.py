@@ -18,7 +18,7 @@ import the_annotated_transformer as tat
 
 # isort: split
 # This folder's modules (bench.py runs as a script, so benchmarks/ is on sys.path).
-from settings import MAX_SENTENCE, ORIGINAL_BATCH, ORIGINAL_PADDING, TRAIN_BATCH
+from bench_settings import MAX_SENTENCE, ORIGINAL_BATCH, ORIGINAL_PADDING, TRAIN_BATCH
 from table import Goal, Row, skipped
 from timing import CPU, has_amx_bf16, median_times
 from workloads import (

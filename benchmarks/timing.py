@@ -22,7 +22,7 @@ from torch.utils import benchmark
 
 # isort: split
 # This folder's modules (bench.py runs as a script, so benchmarks/ is on sys.path).
-from settings import ROOT
+from bench_settings import ROOT
 
 CPU = torch.device("cpu")
 

@@ -33,7 +33,7 @@ from workshop.translation import beam_search
 
 # isort: split
 # This folder's modules (bench.py runs as a script, so benchmarks/ is on sys.path).
-from settings import MAX_SENTENCE, NEVER, TRAIN_BATCH, Sizes
+from bench_settings import MAX_SENTENCE, NEVER, TRAIN_BATCH, Sizes
 
 
 def quick_profile():

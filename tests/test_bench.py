@@ -127,7 +127,9 @@ def test_training_models_and_batches_are_made_on_the_bench_device(bench_module):
     """On the meta device (shapes, no values): every parameter, buffer and batch
     tensor lands there, and each model's forward pass touches no other device."""
     workloads, training = bench_module("workloads"), bench_module("figures_training")
-    sizes = bench_module("settings").Sizes(N=1, d_model=32, d_ff=64, h=4, vocab=50)
+    sizes = bench_module("bench_settings").Sizes(
+        N=1, d_model=32, d_ff=64, h=4, vocab=50
+    )
     meta = torch.device("meta")
     (batch,) = workloads.synthetic_batches(1, sizes.vocab, batch_size=4, device=meta)
     tensors = [v for v in vars(batch).values() if torch.is_tensor(v)]
@@ -146,7 +148,7 @@ def test_timed_decoding_and_matmul_peak_touch_only_the_bench_device(
     """The decoding figures and the matrix-multiply peak run on the meta device, and
     every tensor their timed calls touch is there: no model, source, memory, cache or
     mask stays behind on the CPU, and nothing is copied to the device per step."""
-    settings, timing = bench_module("settings"), bench_module("timing")
+    settings, timing = bench_module("bench_settings"), bench_module("timing")
     training, decoding = (
         bench_module("figures_training"),
         bench_module("figures_decoding"),
@@ -197,7 +199,7 @@ def test_greedy_steps_go_through_the_cache_they_are_given(bench_module):
 
 
 def test_trainer_in_bf16_trains_the_model_and_its_loss_under_autocast(bench_module):
-    workloads, settings = bench_module("workloads"), bench_module("settings")
+    workloads, settings = bench_module("workloads"), bench_module("bench_settings")
     sizes = settings.Sizes(N=1, d_model=32, d_ff=64, h=4, vocab=50)
     model = workloads.book_model(sizes, seed=0)
     before = [p.detach().clone() for p in model.parameters()]

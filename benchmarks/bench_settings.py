@@ -1,5 +1,6 @@
 """The benchmark's settings: model sizes (Sizes), how much work each figure does
-(Settings, and QUICK for `--quick`), and the batch shapes issue #6 names."""
+(Settings, and QUICK for `--quick`), and the batch shapes issue #6 names. A
+training run's settings are workshop/settings.py's, not these."""
 
 from __future__ import annotations
 
