@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import functools
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 from torch.utils import benchmark
@@ -23,6 +21,7 @@ from torch.utils import benchmark
 # isort: split
 # This folder's modules (bench.py runs as a script, so benchmarks/ is on sys.path).
 from bench_settings import ROOT
+from workloads import cpu_info
 
 CPU = torch.device("cpu")
 
@@ -83,24 +82,6 @@ def fresh_python_time(*args):
         subprocess.run, command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL
     )
     return timed_call(run)[1]
-
-
-@functools.cache
-def cpu_info():
-    """(model name, set of flags) of the first CPU in /proc/cpuinfo."""
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return name, flags
-    for line in lines:
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and name != value.strip():
-            name = value.strip()
-        elif key.strip() == "flags":
-            flags = set(value.split())
-            break
-    return name, flags
 
 
 def has_amx_bf16():

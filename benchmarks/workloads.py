@@ -7,8 +7,9 @@ Every name the benchmark takes from workshop/ is imported here, and only here;
 bf16_pays(device) is the workshop's rule for whether bfloat16 pays (on a GPU: its
 bfloat16 hardware; on the CPU: a timed matrix product), re-exported for the figures,
 parse_device(text), the command line's check of --device, re-exported for bench.py,
-and training_flops, the workshop's count of useful FLOPs, with memory_projections,
-the layers it counts per source token, for the figures.
+training_flops, the workshop's count of useful FLOPs, with memory_projections,
+the layers it counts per source token, for the figures, and cpu_info(), the
+workshop's reading of /proc/cpuinfo (model name and flags), for timing.py.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from workshop.distributed import parse_device as parse_device  # re-exported
 from workshop.flops import memory_projections as memory_projections  # re-exported
 from workshop.flops import training_flops as training_flops  # re-exported
 from workshop.precision import bf16_pays as bf16_pays  # re-exported, see above
+from workshop.provenance import cpu_info as cpu_info  # re-exported, see above
 from workshop.settings import RunConfig
 from workshop.training import loss_compute_for_run, models_for_run
 from workshop.translation import beam_search

@@ -6,6 +6,7 @@ carry it (workshop.training), and so do the results (workshop.results)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import platform
 import subprocess
@@ -25,6 +26,24 @@ def precision_name(amp_dtype):
     return {dtype: name for name, dtype in PRECISIONS.items()}[amp_dtype]
 
 
+@functools.cache
+def cpu_info():
+    """(model name, frozenset of flags) of this machine's first CPU, as /proc/cpuinfo
+    gives them; where it cannot be read (not Linux), the processor's name as
+    platform gives it and no flags. The benchmark's machine line uses it too."""
+    name, flags = platform.processor() or platform.machine(), frozenset()
+    named = False
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not named:
+                name, named = value.strip(), True
+            elif key.strip() == "flags":
+                flags = frozenset(value.split())
+                break
+    return name, flags
+
+
 def describe_machine(device=None):
     """A short description of the device that trains: the GPU, or the CPU and cores."""
     device = torch.device(device or tat.default_device())
@@ -32,12 +51,7 @@ def describe_machine(device=None):
         return f"GPU: {torch.cuda.get_device_name(device)}"
     if device.type == "mps":
         return f"Apple MPS on {platform.machine()}, {os.cpu_count()} CPU cores"
-    name = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
+    name, _ = cpu_info()
     return f"CPU: {name}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
 
 
