@@ -30,7 +30,7 @@ from workshop.flops import training_flops as training_flops  # re-exported
 from workshop.precision import bf16_pays as bf16_pays  # re-exported, see above
 from workshop.provenance import cpu_info as cpu_info  # re-exported, see above
 from workshop.settings import RunConfig
-from workshop.training import loss_compute_for_run, models_for_run
+from workshop.training import loss_compute_for_run, make_run_model, models_for_run
 from workshop.translation import beam_search
 
 # isort: split
@@ -50,14 +50,13 @@ def quick_profile_sizes(vocab=8000):
 
 
 def book_model(sizes, seed=0, device="cpu"):
-    """The book's model at `sizes`, initialised from `seed` (on the CPU, so the same
-    weights on every device), with the dropout and the fused attention that training
-    runs use (workshop.fast), on `device`."""
+    """The model a training run trains (workshop.training's make_run_model: the
+    book's model with workshop.fast's dropout and fused attention) at `sizes`, with
+    the run's other settings at their defaults, initialised from `seed` (on the CPU,
+    so the same weights on every device), on `device`."""
+    config = RunConfig(N=sizes.N, d_model=sizes.d_model, d_ff=sizes.d_ff, h=sizes.h)
     torch.manual_seed(seed)
-    model = tat.make_model(
-        sizes.vocab, sizes.vocab, sizes.N, sizes.d_model, sizes.d_ff, sizes.h
-    )
-    return fast.use_fused_attention(fast.use_fast_dropout(model)).to(device)
+    return make_run_model(config, sizes.vocab, sizes.vocab).to(device)
 
 
 class TorchTransformer(nn.Module):
