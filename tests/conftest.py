@@ -23,7 +23,7 @@ import torch
 
 # The repository root is on sys.path through pyproject.toml's `pythonpath = ["."]`.
 import the_annotated_transformer as tat
-from workshop import checkpoints, multi30k, results, settings, training, translation
+from workshop import checkpoints, multi30k, reproduce, settings, training, translation
 from workshop.distributed import free_port as free_port  # the tests' free ports too
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -475,7 +475,7 @@ def mini_split(multi30k_dir, tmp_path_factory):
 def reproduced(multi30k_dir, tmp_path_factory):
     """A two-epoch smoke run through reproduce, scored on 20 sentences a split."""
     root = tmp_path_factory.mktemp("reproduce")
-    record = results.reproduce(
+    record = reproduce.reproduce(
         "smoke",
         multi30k_dir,
         root / "run",

@@ -43,9 +43,10 @@ from workshop import (
     distributed,
     errors,
     multi30k,
-    results,
+    reproduce,
     run_folders,
     run_lock,
+    scoring,
     settings,
     training,
     translation,
@@ -756,7 +757,7 @@ def test_evaluate_with_an_output_it_cannot_write_refuses_before_translating(
     argv = ["evaluate", "--checkpoint", "c.pt", "--output", target]
     assert_one_line_error(run_cli(*argv), "--output", expected, "name another")
     with pytest.raises(errors.UsageError, match=expected):
-        results.evaluate(NoTranslator(), tmp_path, "handmade", output=target)
+        scoring.evaluate(NoTranslator(), tmp_path, "handmade", output=target)
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
@@ -851,7 +852,7 @@ def test_reproduce_rejects_bad_lists_of_choices(tmp_path, capsys, flag, value):
 
 def test_reproduce_without_a_trained_run_says_so(tmp_path, run_cli):
     with pytest.raises(FileNotFoundError, match="no trained run"):
-        results.reproduce("smoke", tmp_path, tmp_path / "empty", None, train=False)
+        reproduce.reproduce("smoke", tmp_path, tmp_path / "empty", None, train=False)
     argv = ["reproduce", "--no-train", "--out", str(tmp_path / "empty")]
     result = run_cli(*argv, "--results", str(tmp_path / "results"))
     line = assert_one_line_error(result, "no trained run", "drop --no-train", status=1)

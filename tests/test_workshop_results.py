@@ -1,4 +1,5 @@
-"""workshop.results: evaluating a translator (BLEU) and reproducing a whole run.
+"""workshop.scoring, workshop.reproduce and workshop.reports: evaluating a
+translator (BLEU), reproducing a whole run, and its reports.
 
 The tests that run a trained model train a smoke-profile model on 300 Multi30k pairs,
 found through $ANNOTATED_TRANSFORMER_DATA: without it they are skipped on a laptop,
@@ -12,7 +13,7 @@ import torch
 from conftest import HANDMADE_PAIRS, PNG_SIGNATURE, EchoTranslator, write_split
 
 import the_annotated_transformer as tat
-from workshop import checkpoints, results, translation
+from workshop import checkpoints, reports, reproduce, scoring, translation
 from workshop.multi30k import DataError
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -34,7 +35,7 @@ def test_evaluate_scores_exactly_what_translate_returned_in_order(tmp_path, caps
         HANDMADE_PAIRS[2][0]: "A woman reads a book in the garden.",
     }
     echo = EchoTranslator(answers)
-    result = results.evaluate(echo, tmp_path, "handmade", beam_size=3, batch_size=2)
+    result = scoring.evaluate(echo, tmp_path, "handmade", beam_size=3, batch_size=2)
     beam_3 = {"decode": translation.beam_search, "beam_size": 3, "alpha": 0.6}
     assert echo.calls == [([de for de, _ in HANDMADE_PAIRS], 2, beam_3)]
     hypotheses = [answers[de] for de, _ in HANDMADE_PAIRS]
@@ -63,7 +64,7 @@ def test_greedy_evaluation_decodes_with_the_key_value_cache(
     the book's uncached greedy decoding finds."""
     write_split(tmp_path, "handmade", HANDMADE_PAIRS)
     echo = EchoTranslator(dict(HANDMADE_PAIRS))
-    results.evaluate(echo, tmp_path, "handmade", quiet=True)
+    scoring.evaluate(echo, tmp_path, "handmade", quiet=True)
     assert [options for *_, options in echo.calls] == [
         {"decode": translation.greedy_decode}
     ]
@@ -83,7 +84,7 @@ def test_greedy_evaluation_decodes_with_the_key_value_cache(
 def test_evaluate_is_cased_but_its_spacy_variant_is_lowercased(tmp_path):
     write_split(tmp_path, "handmade", HANDMADE_PAIRS)
     shouting = EchoTranslator({de: en.upper() for de, en in HANDMADE_PAIRS})
-    result = results.evaluate(shouting, tmp_path, "handmade", quiet=True)
+    result = scoring.evaluate(shouting, tmp_path, "handmade", quiet=True)
     assert result["bleu"] < 10.0
     assert result["bleu_lowercase_spacy"] == pytest.approx(100)
     assert result["length_ratio"] == 1.0  # upper case changes no word count
@@ -94,7 +95,7 @@ def test_evaluate_is_cased_but_its_spacy_variant_is_lowercased(tmp_path):
 
 def test_evaluate_of_a_missing_split_names_the_file(tmp_path):
     with pytest.raises(DataError, match="nosuch.de.gz"):
-        results.evaluate(EchoTranslator({}), tmp_path, "nosuch", quiet=True)
+        scoring.evaluate(EchoTranslator({}), tmp_path, "nosuch", quiet=True)
 
 
 def test_evaluate_runs_a_checkpoint_end_to_end_and_prints_the_signature(
@@ -104,7 +105,7 @@ def test_evaluate_runs_a_checkpoint_end_to_end_and_prints_the_signature(
 
     folder, pairs = mini_split
     output = tmp_path / "out" / "mini.hyp.en"
-    result = results.evaluate(trained_checkpoint, folder, "mini", output=output)
+    result = scoring.evaluate(trained_checkpoint, folder, "mini", output=output)
     printed = capsys.readouterr().out
     assert "nrefs:1" in printed and "tok:13a" in printed
     assert "lowercased BLEU on spaCy tokens" in printed
@@ -128,7 +129,7 @@ def test_evaluate_with_beam_size_2_decodes_with_beam_search(
         return beam_search(*args, **kwargs)
 
     monkeypatch.setattr(translation, "beam_search", counting_beam_search)
-    result = results.evaluate(translator, folder, "mini", beam_size=2, quiet=True)
+    result = scoring.evaluate(translator, folder, "mini", beam_size=2, quiet=True)
     assert calls and set(calls) == {2}
     assert result["n"] == len(pairs) and result["beam_size"] == 2
     import sacrebleu
@@ -187,7 +188,7 @@ def test_reproduce_records_the_precision_versions_commit_and_limit(reproduced):
     assert saved["limit"] == 20
     page = (root / "results" / "smoke.md").read_text()
     assert "Only the first 20 sentences of each split were scored" in page
-    assert "(first 20 sentences only)" in results.results_row(record)
+    assert "(first 20 sentences only)" in reports.results_row(record)
 
 
 @pytest.mark.parametrize("folder", ["results", "images"])
@@ -199,7 +200,7 @@ def test_reproduce_with_a_limit_refuses_the_checkouts_committed_folders(
     folders = {"results_dir": tmp_path, "images_dir": tmp_path, f"{folder}_dir": None}
     folders[f"{folder}_dir"] = committed
     with pytest.raises(ValueError, match="limit=5 scores only 5 sentences"):
-        results.reproduce("smoke", tmp_path, tmp_path / "run", limit=5, **folders)
+        reproduce.reproduce("smoke", tmp_path, tmp_path / "run", limit=5, **folders)
     assert sorted(p.name for p in committed.iterdir()) == before
     assert not (tmp_path / "run").exists()
 
@@ -212,7 +213,7 @@ def test_a_record_older_than_its_provenance_fields_still_renders():
     committed = Path(__file__).resolve().parent.parent / "results" / "multi30k.json"
     record = json.loads(committed.read_text())
     assert "torch" not in record  # control: the record is the old kind
-    page = results.results_markdown(record)
+    page = reports.results_markdown(record)
     assert "Scored before records named their commit and torch version." in page
     assert "Scored from" not in page
 
@@ -222,7 +223,7 @@ def test_the_speed_line_weighs_each_epoch_by_its_time():
         {"tokens_per_s": 1000.0, "seconds": 100.0},  # 100,000 tokens
         {"tokens_per_s": 3000.0, "seconds": 100.0},  # 300,000 tokens
     ]
-    line = results._speed_line(history)
+    line = reports._speed_line(history)
     assert "2,000 target tokens/s over 2 epochs" in line  # 400,000 in 200 s
     assert "0.40 M target tokens in 3 min" in line
     assert "about 6,667 / S minutes" in line  # 400,000 / 60
@@ -237,9 +238,9 @@ def test_reproduce_writes_the_json_the_table_row_and_the_training_curve(
     saved = json.loads((root / "results" / "smoke.json").read_text())
     assert saved["test_beam"]["bleu"] == pytest.approx(record["test_beam"]["bleu"])
     page = (root / "results" / "smoke.md").read_text()
-    assert results.RESULTS_HEADER in page and results.results_row(record) in page
-    assert results._speed_line(record["history"]) in page
-    row = results.results_row(record).strip("|").split("|")
+    assert reports.RESULTS_HEADER in page and reports.results_row(record) in page
+    assert reports._speed_line(record["history"]) in page
+    row = reports.results_row(record).strip("|").split("|")
     assert len(row) == 7 and row[0].strip() == "`smoke`"
     assert f"{record['test_greedy']['bleu']:.2f}" in row[5]
     pairs = tat.read_split(multi30k_dir, "test_2016_flickr")[:5]
@@ -254,7 +255,7 @@ def test_reproduce_reads_the_test_split_only_after_choosing_on_validation(
 ):
     root, _ = reproduced
     events = []
-    read_split, print_ = results.read_split, print
+    read_split, print_ = scoring.read_split, print
 
     def recording_read_split(data_dir, split):
         events.append(("read", split))
@@ -266,9 +267,10 @@ def test_reproduce_reads_the_test_split_only_after_choosing_on_validation(
             events.append(("chose", None))
         print_(*args, **kwargs)
 
-    monkeypatch.setattr(results, "read_split", recording_read_split)
-    monkeypatch.setattr(results, "print", recording_print, raising=False)
-    results.reproduce("smoke", multi30k_dir, root / "run", None, train=False, limit=5)
+    monkeypatch.setattr(scoring, "read_split", recording_read_split)
+    monkeypatch.setattr(reproduce, "read_split", recording_read_split)
+    monkeypatch.setattr(reproduce, "print", recording_print, raising=False)
+    reproduce.reproduce("smoke", multi30k_dir, root / "run", None, train=False, limit=5)
     chose = events.index(("chose", None))
     assert {split for _, split in events[:chose]} == {"val"}
     assert ("read", "test_2016_flickr") in events[chose:]
@@ -286,9 +288,9 @@ def test_reproduce_writes_its_results_before_printing_the_table(
         text.encode("ascii")  # raises UnicodeEncodeError, as such a console would
         print_(*args, **kwargs)
 
-    monkeypatch.setattr(results, "print", ascii_console, raising=False)
+    monkeypatch.setattr(reproduce, "print", ascii_console, raising=False)
     with pytest.raises(UnicodeEncodeError):
-        results.reproduce(
+        reproduce.reproduce(
             "smoke", multi30k_dir, root / "run", tmp_path, None, train=False, limit=5
         )
     assert (tmp_path / "smoke.json").is_file() and (tmp_path / "smoke.md").is_file()
@@ -303,6 +305,6 @@ def test_reproduce_ignores_epoch_files_past_the_runs_last_epoch(
     run = tmp_path / "run"
     shutil.copytree(root / "run", run)
     shutil.copyfile(run / "epoch_001.pt", run / "epoch_020.pt")  # a stray old file
-    results.reproduce("smoke", multi30k_dir, run, None, train=False, limit=5)
+    reproduce.reproduce("smoke", multi30k_dir, run, None, train=False, limit=5)
     averaged = checkpoints.load_checkpoint(run / "average_last_2.pt")["averaged_from"]
     assert [Path(p).name for p in averaged] == ["epoch_001.pt", "epoch_002.pt"]

@@ -17,7 +17,11 @@
                   sentence; beam search over a whole batch, n-best lists,
                   sampling, progress
 - multi30k.py     downloading Multi30k and checking its files against their digests
-- results.py      evaluate (BLEU with signatures) and reproduce (the README's Results)
+- scoring.py      evaluate: a translator's BLEU on a split, with its signatures
+- reproduce.py    reproduce: train, average, choose on validation, score the test
+                  set once (the README's Results)
+- reports.py      a reproduced run's reports: its Results row, Markdown page and
+                  training curve
 - figures.py      the book's diagrams and charts as PNG files
 - flops.py        a training run's useful FLOPs, which a profile's budget spends
 - fast.py         speed tricks: a cheaper dropout, fused attention, a fused

@@ -22,7 +22,8 @@ from workshop.checkpoints import average_checkpoints
 from workshop.errors import UsageError
 from workshop.figures import save_attention_maps, save_figures
 from workshop.multi30k import download_multi30k
-from workshop.results import evaluate, reproduce
+from workshop.reproduce import reproduce
+from workshop.scoring import evaluate
 from workshop.settings import RunConfig
 from workshop.training import train_model
 from workshop.translation import Progress, decode_options, load_translator

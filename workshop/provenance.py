@@ -1,7 +1,7 @@
 """What a run actually did, and where: the precision it trained in (the profile
 only asks for one), and for each invocation the versions of torch and Python, the
 commit of the checkout (when it is a git checkout) and the machine. Checkpoints
-carry it (workshop.training), and so do the results (workshop.results)."""
+carry it (workshop.training), and so do the results (workshop.reproduce)."""
 
 from __future__ import annotations
 
