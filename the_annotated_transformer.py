@@ -2357,10 +2357,10 @@ def copy_examples(model, config=None, n=5, seed=1234):
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
-def example_simple_model(config=None, *, quiet=False):
+def example_simple_model(config=None, *, quiet=False, device=None):
     """Train the copy task and print sources beside their decoded copies."""
     start = time.perf_counter()
-    model, history = train_copy_task(config, quiet=quiet)
+    model, history = train_copy_task(config, quiet=quiet, device=device)
     src, out = copy_examples(model, config)
     print("source                          -> decoded")
     for s, o in zip(src.tolist(), out.tolist(), strict=True):

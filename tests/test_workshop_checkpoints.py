@@ -15,7 +15,7 @@ import the_annotated_transformer as tat
 from workshop import (
     checkpoints,
 )
-from workshop.multi30k import DataError
+from workshop.errors import DataError
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 

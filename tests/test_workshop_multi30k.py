@@ -19,7 +19,7 @@ from conftest import free_port, names_in, write_lines_gz
 
 import the_annotated_transformer as tat
 from workshop import cli, multi30k, settings, training
-from workshop.multi30k import DataError
+from workshop.errors import DataError
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 

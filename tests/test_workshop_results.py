@@ -14,7 +14,7 @@ from conftest import HANDMADE_PAIRS, PNG_SIGNATURE, EchoTranslator, write_split
 
 import the_annotated_transformer as tat
 from workshop import checkpoints, reports, reproduce, scoring, translation
-from workshop.multi30k import DataError
+from workshop.errors import DataError
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 

@@ -11,7 +11,7 @@ from workshop import (
     checkpoints,
     settings,
 )
-from workshop.multi30k import DataError
+from workshop.errors import DataError
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 

@@ -33,7 +33,7 @@ from workshop import (
     training,
     translation,
 )
-from workshop.multi30k import DataError
+from workshop.errors import DataError
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -493,6 +493,10 @@ def test_quick_profile_lowers_the_validation_nll_by_a_third_in_a_few_hundred_ste
     )
     data = tat.prepare_data(multi30k_dir, max_train_pairs=1500)
     before = untrained_val_nll(config, data)
+    # Untrained, the model is near uniform over the words: its logits spread with a
+    # standard deviation of about 0.5 (0.48 measured for seed 0), which puts the NLL
+    # about sigma^2 / 2 = 0.1 nat above log |V| (+0.03 measured). One nat leaves room
+    # for any seed and is still under half of the third (2.3 nats) training removes.
     assert before == pytest.approx(math.log(len(data.vocab_tgt)), abs=1.0)
     history = training.train_model(config, multi30k_dir, tmp_path, quiet=True)
     steps = checkpoints.load_checkpoint(tmp_path / "last.pt")["train_state"][

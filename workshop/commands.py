@@ -7,16 +7,14 @@ from __future__ import annotations
 import math
 import secrets
 import sys
-import time
 from pathlib import Path
 
 from the_annotated_transformer import (
     MULTI30K_URL,
     CopyTaskConfig,
-    copy_examples,
     data_dir_from_env,
     default_data_dir,
-    train_copy_task,
+    example_simple_model,
 )
 from workshop.checkpoints import average_checkpoints
 from workshop.errors import UsageError
@@ -65,19 +63,7 @@ def copy(args):
         epochs=args.epochs or defaults.epochs,
         seed=defaults.seed if args.seed is None else args.seed,
     )
-    start = time.perf_counter()
-    model, history = train_copy_task(config, quiet=args.quiet, device=args.device)
-    src, out = copy_examples(model, config)
-    print("source                          -> decoded")
-    for s, o in zip(src.tolist(), out.tolist(), strict=True):
-        mark = "" if s == o else "   (differs)"
-        print(f"{' '.join(map(str, s)):31s} -> {' '.join(map(str, o))}{mark}")
-    exact, last = bool((src == out).all()), history[-1]
-    print(
-        f"final train loss {last['train loss']:.4f}, validation NLL "
-        f"{last['val nll']:.4f}; exact copy: {'yes' if exact else 'NO'}; "
-        f"{time.perf_counter() - start:.1f} s"
-    )
+    _, exact = example_simple_model(config, quiet=args.quiet, device=args.device)
     return 0 if exact else 1
 
 
