@@ -4,7 +4,7 @@
 chart, picks from a menu, runs a cell. `Browser` opens a page and then does what a
 reader does, through the protocol's websocket (tornado's client, which the notebook
 tools already install): evaluate JavaScript in the page, press keys, move the pointer,
-and list every request the page made.
+list every request the page made, and read which fonts drew its text.
 """
 
 import asyncio
@@ -19,14 +19,14 @@ from tornado.websocket import websocket_connect
 class Browser:
     """One headless Chromium with one tab; `close` ends it (or use `with`)."""
 
-    def __init__(self, chromium, flags, profile, timeout=60):
+    def __init__(self, chromium, flags, profile, timeout=60, size=(1280, 1000)):
         self.process = subprocess.Popen(
             [
                 chromium,
                 *flags,
                 f"--user-data-dir={profile}",
                 "--remote-debugging-port=0",  # Chromium picks a port and writes it
-                "--window-size=1280,1000",
+                "--window-size={},{}".format(*size),
                 "about:blank",
             ],
             stdout=subprocess.DEVNULL,
@@ -186,3 +186,48 @@ class Browser:
             for event in self.events
             if event.get("method") == "Network.requestWillBeSent"
         ]
+
+    def drawn_outside(self, fonts, script="Han"):
+        """The visible elements of the page whose characters of `script` (a Unicode
+        script: Han for Chinese) are not all drawn by one of `fonts` (family names),
+        as Chromium reports the platform fonts it used (CSS.getPlatformFontsForNode,
+        which counts the glyphs of an element's descendants too). A character that
+        no installed font has is drawn as a missing-glyph box by the first font of
+        the element's stack, which is then named. Returns (how many elements have
+        such characters of their own, [(the element's text, {font: glyphs})] of
+        those drawn otherwise)."""
+        counts = self.evaluate(MARK_SCRIPT.replace("SCRIPT", script))
+        self.call("DOM.enable")
+        self.call("CSS.enable")
+        root = self.call("DOM.getDocument", depth=0)["root"]["nodeId"]
+        found = self.call("DOM.querySelectorAll", nodeId=root, selector="[data-script]")
+        outside = []
+        for index, node in enumerate(found["nodeIds"]):
+            used = self.call("CSS.getPlatformFontsForNode", nodeId=node)["fonts"]
+            drawn = sum(f["glyphCount"] for f in used if f["familyName"] in fonts)
+            if drawn < counts[index]:
+                text = self.evaluate(
+                    f"document.querySelector('[data-script=\"{index}\"]').innerText"
+                )
+                outside.append(
+                    (text[:60], {f["familyName"]: f["glyphCount"] for f in used})
+                )
+        return len(counts), outside
+
+
+# Marks each visible element with characters of SCRIPT in a text node of its own
+# (data-script="0", "1", ... in document order, as DOM.querySelectorAll finds them)
+# and returns how many such characters each shows, its descendants' included.
+MARK_SCRIPT = """(() => {
+  const own = /\\p{Script=SCRIPT}/u;
+  const all = /\\p{Script=SCRIPT}/gu;
+  const counts = [];
+  for (const element of document.body.querySelectorAll('*')) {
+    const mine = [...element.childNodes].some(
+      node => node.nodeType === Node.TEXT_NODE && own.test(node.data));
+    if (!mine || !element.checkVisibility()) continue;
+    element.setAttribute('data-script', counts.length);
+    counts.push((element.innerText.match(all) || []).length);
+  }
+  return counts;
+})()"""

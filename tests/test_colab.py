@@ -4,9 +4,10 @@ A lone notebook has no checkout beside it: what it imports later must be install
 by its own setup cell when missing, its figures must be addresses on the
 repository's main, and the committed run's Results must be in its text. The
 repository's address is written once (pyproject.toml, read by tools/repository.py)
-and every link is derived from it. The last test runs the notebook alone in
+and every link is derived from it. The last tests run the notebook alone in
 .venv-colab, which holds Colab's versions (requirements-colab.txt; `make
-setup-colab`, which .ci/run runs).
+setup-colab`, which .ci/run runs). The Chinese edition (issue 37) has the same
+button and the same tests: each test of a notebook runs on both.
 """
 
 import json
@@ -29,6 +30,8 @@ import repository  # noqa: E402
 import results_table  # noqa: E402
 
 NOTEBOOK = "notebooks/the_annotated_transformer.ipynb"
+ZH_NOTEBOOK = "notebooks/the_annotated_transformer.zh.ipynb"
+NOTEBOOKS = [NOTEBOOK, ZH_NOTEBOOK]
 COLAB_PYTHON = REPO_ROOT / ".venv-colab" / "bin" / "python"
 MARKDOWN_IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)")
 
@@ -89,18 +92,39 @@ def test_the_colab_stand_in_holds_the_setup_cells_pins():
 # One address, every link derived from it
 
 
-def test_the_readmes_button_opens_the_notebook_on_main_in_colab():
+# Colab's button, an image linked to the notebook's address in Colab.
+BUTTON = re.compile(
+    r"\[!\[([^\]]*)\]\(https://colab\.research\.google\.com/assets/colab-badge\.svg\)\]"
+    r"\(([^)]+)\)"
+)
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_the_readmes_button_opens_the_notebook_on_main_in_colab(notebook):
     readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
     first_screen = readme.split("\n## ", 1)[0]
-    button = re.search(r"\[!\[Open in Colab\]\([^)]*\)\]\(([^)]+)\)", first_screen)
-    assert button, "no Open in Colab button on the README's first screen"
-    assert button.group(1) == repository.colab_url(NOTEBOOK)
-    assert (REPO_ROOT / NOTEBOOK).is_file()
+    buttons = {url: words for words, url in BUTTON.findall(first_screen)}
+    assert list(buttons.values())[0] == "Open in Colab"  # the English one first
+    assert repository.colab_url(notebook) in buttons, (
+        f"no Open in Colab button for {notebook} on the README's first screen"
+    )
+    assert (REPO_ROOT / notebook).is_file()
 
 
-def test_the_books_title_cell_has_the_same_link():
-    title = nbformat.read(REPO_ROOT / NOTEBOOK, as_version=4).cells[0].source
-    assert f"]({repository.colab_url(NOTEBOOK)})" in title
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_the_books_title_cell_has_the_same_link(notebook):
+    title = nbformat.read(REPO_ROOT / notebook, as_version=4).cells[0].source
+    assert f"]({repository.colab_url(notebook)})" in title
+    other = ({*NOTEBOOKS} - {notebook}).pop()
+    assert repository.colab_url(other) not in title
+
+
+def test_the_chinese_title_links_to_the_english_edition():
+    title = nbformat.read(REPO_ROOT / ZH_NOTEBOOK, as_version=4).cells[0].source
+    heading, _, rest = title.partition("\n\n")
+    assert heading.startswith("# ")
+    first_line = rest.partition("\n")[0]
+    assert first_line.startswith(f"[English edition]({repository.blob_url(NOTEBOOK)})")
 
 
 def test_every_link_to_the_repositorys_files_uses_pyprojects_address():
@@ -113,6 +137,7 @@ def test_every_link_to_the_repositorys_files_uses_pyprojects_address():
 
 def test_a_fork_sets_one_line_and_relinks(tmp_path):
     for name in repository.LINKING:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO_ROOT / name, tmp_path / name)
     toml = (REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8")
     here = repository.repository()
@@ -141,8 +166,11 @@ def test_the_site_workflow_stops_when_the_address_is_not_this_repositorys():
 # Figures and Results that reach a lone notebook
 
 
-def test_every_figure_of_the_book_is_an_address_of_a_committed_file_on_main():
-    cells = nbformat.read(REPO_ROOT / NOTEBOOK, as_version=4).cells
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_every_figure_of_the_book_is_an_address_of_a_committed_file_on_main(
+    notebook,
+):
+    cells = nbformat.read(REPO_ROOT / notebook, as_version=4).cells
     sources = [c.source for c in cells if c.cell_type == "markdown"]
     images = [src for text in sources for src in MARKDOWN_IMAGE.findall(text)]
     assert images
@@ -166,62 +194,110 @@ def test_the_books_results_table_is_the_committed_runs():
 # The notebook, alone, on Colab's versions
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)  # the whole book, smoke profile: minutes on 2 cores
-def test_the_notebook_alone_runs_top_to_bottom_on_colabs_versions(
-    multi30k_dir, tmp_path
-):
-    """The committed notebook copied into an empty folder and run in .venv-colab
-    (the smoke profile, the data folder given): no cell fails, the setup cell finds
-    nothing to install, and the Results table is in the notebook."""
+@pytest.fixture(scope="module")
+def run_alone(multi30k_dir, tmp_path_factory):
+    """Run a committed notebook copied alone into an empty folder, in .venv-colab
+    (the smoke profile, the data folder given), once per notebook; returns
+    (the runner's result, the executed notebook, the folder)."""
     if not COLAB_PYTHON.is_file():
         skip_or_fail_in_ci(os.environ, "no .venv-colab: `make setup-colab` makes it")
-    alone = tmp_path / "alone"
-    alone.mkdir()
-    shutil.copy(REPO_ROOT / NOTEBOOK, alone / "the_annotated_transformer.ipynb")
-    runner = (
-        "import nbformat, sys, numpy, pandas, altair, torch\n"
-        "from nbclient import NotebookClient\n"
-        "print('versions:', sys.version.split()[0], torch.__version__,"
-        " numpy.__version__, pandas.__version__, altair.__version__)\n"
-        "nb = nbformat.read('the_annotated_transformer.ipynb', as_version=4)\n"
-        "NotebookClient(nb, timeout=900, kernel_name='python3').execute()\n"
-        "nbformat.write(nb, 'executed.ipynb')\n"
-    )
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("JUPYTER", "PYTHONPATH", "VIRTUAL_ENV"))
-    }
-    env.update(
-        ANNOTATED_TRANSFORMER_PROFILE="smoke",
-        ANNOTATED_TRANSFORMER_DATA=str(multi30k_dir),
-        JUPYTER_DATA_DIR=str(tmp_path / "jupyter"),  # no user kernel in the way
-        JUPYTER_CONFIG_DIR=str(tmp_path / "jupyter-config"),
-        IPYTHONDIR=str(tmp_path / "ipython"),
-    )
-    result = subprocess.run(
-        [str(COLAB_PYTHON), "-c", runner],
-        cwd=alone,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1500,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    done = {}
+
+    def run(notebook):
+        if notebook in done:
+            return done[notebook]
+        tmp_path = tmp_path_factory.mktemp("colab")
+        alone = tmp_path / "alone"
+        alone.mkdir()
+        name = Path(notebook).name
+        shutil.copy(REPO_ROOT / notebook, alone / name)
+        runner = (
+            "import nbformat, sys, numpy, pandas, altair, torch\n"
+            "from nbclient import NotebookClient\n"
+            "print('versions:', sys.version.split()[0], torch.__version__,"
+            " numpy.__version__, pandas.__version__, altair.__version__)\n"
+            f"nb = nbformat.read({name!r}, as_version=4)\n"
+            "NotebookClient(nb, timeout=900, kernel_name='python3').execute()\n"
+            "nbformat.write(nb, 'executed.ipynb')\n"
+        )
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("JUPYTER", "PYTHONPATH", "VIRTUAL_ENV"))
+        }
+        env.update(
+            ANNOTATED_TRANSFORMER_PROFILE="smoke",
+            ANNOTATED_TRANSFORMER_DATA=str(multi30k_dir),
+            JUPYTER_DATA_DIR=str(tmp_path / "jupyter"),  # no user kernel in the way
+            JUPYTER_CONFIG_DIR=str(tmp_path / "jupyter-config"),
+            IPYTHONDIR=str(tmp_path / "ipython"),
+        )
+        result = subprocess.run(
+            [str(COLAB_PYTHON), "-c", runner],
+            cwd=alone,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1500,
+            check=False,
+        )
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        executed = nbformat.read(alone / "executed.ipynb", as_version=4)
+        done[notebook] = result, executed, alone
+        return done[notebook]
+
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # the whole book, smoke profile: minutes on 2 cores
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_the_notebook_alone_runs_top_to_bottom_on_colabs_versions(notebook, run_alone):
+    """The committed notebook (the book, or its Chinese edition) copied into an
+    empty folder and run in .venv-colab: no cell fails, the setup cell finds nothing
+    to install, and the Results table is in the notebook."""
+    result, executed, alone = run_alone(notebook)
     assert "versions: " in result.stdout and " 2.1.3 2.2.3 5.5.0" in result.stdout
-    executed = nbformat.read(alone / "executed.ipynb", as_version=4)
     outputs = [o for c in executed.cells for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
     printed = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "installing what this Python lacks" not in printed
     assert "test 2016, greedy:" in printed  # Part 5 scored the notebook's own model
-    table = [f"{line}" for line in results_table.results_lines()][:3]
     markdown = "\n".join(c.source for c in executed.cells if c.cell_type == "markdown")
-    assert "\n".join(table) in markdown
+    if notebook == NOTEBOOK:
+        table = results_table.results_lines()[:3]
+        assert "\n".join(table) in markdown
+    else:  # the table's words are translated, its numbers are the run's
+        record = json.loads((REPO_ROOT / "results" / "multi30k.json").read_text())
+        assert f"| {record['test_greedy']['bleu']:.2f} |" in markdown
     # Nothing was written beside the notebook but what the runner wrote.
-    assert sorted(p.name for p in alone.iterdir()) == [
-        "executed.ipynb",
-        "the_annotated_transformer.ipynb",
-    ]
+    assert sorted(p.name for p in alone.iterdir()) == sorted(
+        ["executed.ipynb", Path(notebook).name]
+    )
+
+
+def output_kinds(cell):
+    """What a code cell showed, by kind: each output's type, with its stream's
+    name or its data's MIME types (text differs from run to run; kinds do not)."""
+    kinds = set()
+    for output in cell.get("outputs", []):
+        if output.output_type == "stream":
+            kinds.add(("stream", output.name))
+        elif output.output_type in ("display_data", "execute_result"):
+            kinds.add((output.output_type, tuple(sorted(output.data))))
+        else:
+            kinds.add((output.output_type,))
+    return sorted(kinds)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)  # both notebooks, when the tests above did not run them
+def test_the_chinese_notebook_alone_shows_the_english_ones_kinds_of_output(run_alone):
+    """Issue 37's acceptance: the Chinese notebook runs top to bottom with every
+    output identical in kind to the English one's, cell for cell."""
+    (_, english, _), (_, chinese, _) = run_alone(NOTEBOOK), run_alone(ZH_NOTEBOOK)
+    code = [[c for c in nb.cells if c.cell_type == "code"] for nb in (english, chinese)]
+    assert [c.source for c in code[0]] == [c.source for c in code[1]]
+    kinds = [[output_kinds(c) for c in cells] for cells in code]
+    assert kinds[1] == kinds[0]
+    assert sum(bool(k) for k in kinds[0]) >= 50

@@ -7,10 +7,12 @@ headless Chromium (the flags of the site test) and checks that the page shows th
 book's title and its first code cell, that the book's folded cells show collapsed
 and open on a click, and that a reader can run the first cells. It then asks the
 same server what a reader's actions would do: open the .py as a notebook, save the
-notebook, and run code in the kernel. The server is stopped after.
+notebook, and run code in the kernel. The same server opens the Chinese edition
+(issue 37), a plain notebook paired with no .py, its Chinese drawn in a CJK font.
+`make lab LAB_BOOK=...` opens it first. The server is stopped after.
 
 JupyterLab is an optional install (`make setup-lab`, requirements-lab.txt), which
-.ci/run makes before `make test`; without it the test skips, except in CI.
+.ci/run makes before `make check`; without it the test skips, except in CI.
 """
 
 import asyncio
@@ -46,6 +48,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 VENV = REPO_ROOT / ".venv"
 BOOK = "the_annotated_transformer.py"
 NOTEBOOK = "notebooks/the_annotated_transformer.ipynb"
+ZH_NOTEBOOK = "notebooks/the_annotated_transformer.zh.ipynb"
 # What `make lab` needs from a checkout; requirement files keep their times, so that
 # make sees the venv's install stamps as up to date and installs nothing.
 CHECKOUT_FILES = [
@@ -56,6 +59,7 @@ CHECKOUT_FILES = [
     "tools/lab/overrides.json",
     BOOK,
     NOTEBOOK,
+    ZH_NOTEBOOK,
 ]
 BOOK_URL = re.compile(
     r"http://127\.0\.0\.1:(\d+)/lab/tree/notebooks/the_annotated_transformer\.ipynb"
@@ -325,7 +329,10 @@ def test_the_folded_cells_are_collapsed_and_a_click_opens_them(lab, chromium, tm
             f"[...{cell}].flatMap((c, i) => c.querySelector('{selector}') ? [i] : [])"
         )
 
-    with Browser(chromium, CHROMIUM_FLAGS, tmp_path / "profile") as tab:
+    # A window taller than the tallest folded cell (the setup cell: 72 lines of about
+    # 17 pixels), so that CodeMirror draws every line of an opened cell.
+    size = (1280, 2000)
+    with Browser(chromium, CHROMIUM_FLAGS, tmp_path / "profile", size=size) as tab:
         tab.open(lab["url"], timeout=120)
         tab.wait_for(f"{cell}.length === {len(cells)}", timeout=120)
         # JupyterLab builds a cell's insides while idle, after the cell itself.
@@ -352,9 +359,10 @@ def test_the_folded_cells_are_collapsed_and_a_click_opens_them(lab, chromium, tm
             )
             # CodeMirror draws only the lines near the view, and measures the view
             # after the first frame: bring the whole cell into view, then wait until
-            # it has drawn as many lines as the cell has (no cell is taller than the
-            # 1000-pixel window), and compare them.
+            # it has drawn as many lines as the cell has, and compare them.
             tab.evaluate(f"{this}.scrollIntoView({{block: 'start'}})")
+            fits = f"{this}.getBoundingClientRect().height < innerHeight"
+            assert tab.evaluate(fits), f"cell {index} is taller than the window"
             expected = [line for line in source.splitlines() if line.strip()]
             drawn = (
                 f"[...{this}.querySelectorAll('.jp-InputArea .cm-line')]"
@@ -477,3 +485,73 @@ def test_the_kernel_is_the_projects_venv_with_the_data_folder(lab):
     prefix, data = printed.splitlines()
     assert Path(prefix).resolve() == VENV.resolve()
     assert Path(data) == lab["data"]
+
+
+def test_the_chinese_notebook_opens_in_jupyterlab_in_a_cjk_font(
+    lab, chromium, tmp_path
+):
+    """The Chinese edition in the same server: every cell of the committed notebook,
+    its Chinese title shown, and every Chinese character of the page drawn in a CJK
+    font (Chromium's own report: tests/browser.py's drawn_outside), no box."""
+    from test_site import CJK_FONTS
+
+    committed = nbformat.read(REPO_ROOT / ZH_NOTEBOOK, as_version=4)
+    title = committed.cells[0].source.partition("\n")[0].removeprefix("# ")
+    cell = "document.querySelectorAll('.jp-Notebook .jp-Cell')"
+    with Browser(chromium, CHROMIUM_FLAGS, tmp_path / "profile") as tab:
+        tab.open(lab["url"].replace(NOTEBOOK, ZH_NOTEBOOK), timeout=120)
+        tab.wait_for(f"{cell}.length === {len(committed.cells)}", timeout=120)
+        heading = "document.querySelector('.jp-Notebook .jp-Cell h1')?.textContent"
+        shown = tab.wait_for(heading, timeout=60, message="no title in the page")
+        assert shown.rstrip("¶") == title
+        rendered = "document.querySelectorAll('.jp-MarkdownCell .jp-RenderedMarkdown')"
+        markdown = sum(c.cell_type == "markdown" for c in committed.cells)
+        tab.wait_for(f"{rendered}.length === {markdown}", timeout=60)
+        elements, outside = tab.drawn_outside(CJK_FONTS, script="Han")
+    assert outside == []
+    assert elements >= 300
+
+
+def test_the_chinese_notebook_is_a_plain_notebook_that_saves_alone(lab):
+    """Saved through the server, the Chinese notebook writes itself and nothing
+    beside it (jupytext pairs the English notebook with the .py, not this one)."""
+    model = api(lab, f"contents/{ZH_NOTEBOOK}?content=1")
+    committed = nbformat.read(REPO_ROOT / ZH_NOTEBOOK, as_version=4)
+    got = [(c["cell_type"], c["source"]) for c in model["content"]["cells"]]
+    assert got == [(c.cell_type, c.source) for c in committed.cells]
+    book = (lab["checkout"] / BOOK).read_bytes()
+    notebook = model["content"]
+    notebook["cells"][0]["source"] += "\n\n读者加的一句话。"
+    api(
+        lab, f"contents/{ZH_NOTEBOOK}", "PUT", {"type": "notebook", "content": notebook}
+    )
+    saved = nbformat.read(lab["checkout"] / ZH_NOTEBOOK, as_version=4)
+    assert saved.cells[0].source.endswith("读者加的一句话。")
+    beside = [
+        path.relative_to(lab["checkout"]).as_posix()
+        for path in lab["checkout"].rglob("the_annotated_transformer.zh*")
+        if ".ipynb_checkpoints" not in path.parts
+    ]
+    assert beside == [ZH_NOTEBOOK]
+    assert (lab["checkout"] / BOOK).read_bytes() == book
+
+
+def test_make_lab_opens_the_notebook_lab_book_names():
+    """`make lab LAB_BOOK=...` opens the Chinese edition first (make -n: nothing
+    runs)."""
+    printed = subprocess.run(
+        ["make", "-n", "--no-print-directory", "lab", f"LAB_BOOK={ZH_NOTEBOOK}"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert f"--LabApp.default_url=/lab/tree/{ZH_NOTEBOOK}" in printed
+    default = subprocess.run(
+        ["make", "-n", "--no-print-directory", "lab"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert f"--LabApp.default_url=/lab/tree/{NOTEBOOK}" in default

@@ -12,8 +12,12 @@ cell of the attention maps must show that cell's query, key and weight, and the
 menus must show the kind, layer and head picked. And as a reader skips the support
 cells: each cell the book folds (Jupyter Book's hide-input, hide-output and
 hide-cell tags) is a closed fold that a click opens, on the book's page and on a
-small notebook with every tag. (tests/test_workflows.py checks that the GitHub
-Pages workflow builds the site with the same target.)
+small notebook with every tag. The site has two pages, the book and its Chinese
+edition (site/zh/, issue 37), and each test of a page runs on both (the fixture
+`edition`): each links to the other at its top, and every Chinese character of a
+page is drawn in a CJK font, with no missing-glyph box (the fonts Chromium used,
+read through the DevTools protocol). (tests/test_workflows.py checks that the
+GitHub Pages workflow builds the site with the same target.)
 """
 
 import json
@@ -35,8 +39,29 @@ from conftest import CHROMIUM_FLAGS, book_title, fold_tag, run_chromium
 from test_notebook import is_beam_chart, not_shown
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+from export_html import FONT_STACKS, LATIN_FONTS  # noqa: E402
+
 IMAGES = REPO_ROOT / "images"
 VEGA_LITE = "application/vnd.vegalite.v5+json"
+# Each edition's page and executed notebook in the site, and its committed notebook.
+PAGES = {"en": "index.html", "zh": "zh/index.html"}
+EXECUTED = {
+    "en": "the_annotated_transformer.ipynb",
+    "zh": "zh/the_annotated_transformer.zh.ipynb",
+}
+COMMITTED = {
+    "en": "notebooks/the_annotated_transformer.ipynb",
+    "zh": "notebooks/the_annotated_transformer.zh.ipynb",
+}
+CONTENTS = {"en": r"^\s*(Table of )?[Cc]ontents\s*$", "zh": r"^\s*目录\s*$"}
+# The CJK fonts the Chinese page names (Debian's fonts-wqy-microhei, which .ci/run
+# installs, among them).
+CJK_FONTS = {
+    name.strip('"')
+    for name in FONT_STACKS["zh"]
+    if name not in LATIN_FONTS and name != "sans-serif"
+}
 
 pytestmark = pytest.mark.slow
 
@@ -94,10 +119,22 @@ def distinct_colours(data, enough):
     return len(seen)
 
 
+@pytest.fixture(scope="module", params=sorted(PAGES))
+def edition(request):
+    """Which edition's page a test reads: "en", the book, or "zh", its Chinese."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def page(built_site):
-    """The book's page as `make site` wrote it."""
-    return built_site / "index.html"
+def page(built_site, edition):
+    """The edition's page as `make site` wrote it."""
+    return built_site / PAGES[edition]
+
+
+@pytest.fixture(scope="module")
+def page_notebook(built_site, edition):
+    """The executed notebook beside the edition's page."""
+    return built_site / EXECUTED[edition]
 
 
 @pytest.fixture(scope="module")
@@ -122,9 +159,13 @@ def dom(chromium, page, tmp_path_factory):
     return BeautifulSoup(html, "html.parser")
 
 
-def test_page_is_titled_with_the_books_title(dom):
+def test_page_is_titled_with_the_books_title(dom, edition):
     assert dom.title is not None
-    assert dom.title.get_text(strip=True) == book_title()
+    title = nbformat.read(REPO_ROOT / COMMITTED[edition], as_version=4).cells[0]
+    heading = title.source.partition("\n")[0].removeprefix("# ").strip()
+    assert dom.title.get_text(strip=True) == heading
+    if edition == "en":
+        assert heading == book_title()
 
 
 def test_the_page_shows_what_the_book_teaches_by_doing(dom):
@@ -139,8 +180,8 @@ def test_the_page_shows_what_the_book_teaches_by_doing(dom):
     assert dom.find(id=beams[0]["id"].removesuffix("-spec"), class_="vega-chart")
 
 
-def test_table_of_contents_links_to_sections_of_the_page(dom):
-    label = dom.find(string=re.compile(r"^\s*(Table of )?[Cc]ontents\s*$"))
+def test_table_of_contents_links_to_sections_of_the_page(dom, edition):
+    label = dom.find(string=re.compile(CONTENTS[edition]))
     assert label is not None, "no 'Contents' heading in the page"
     contents = label.find_next(["ol", "ul"])
     links = [a["href"] for a in contents.find_all("a", href=True)]
@@ -167,9 +208,9 @@ def opened(chromium, page, tmp_path_factory):
         yield tab, charts
 
 
-def test_every_chart_is_drawn_in_the_page(opened, executed_notebook):
+def test_every_chart_is_drawn_in_the_page(opened, page_notebook):
     tab, charts = opened
-    notebook = nbformat.read(executed_notebook, as_version=4)
+    notebook = nbformat.read(page_notebook, as_version=4)
     outputs = [o for cell in notebook.cells for o in cell.get("outputs", [])]
     assert charts == sum(VEGA_LITE in o.get("data", {}) for o in outputs) >= 8
     # Each chart is an SVG with its marks (lines, or a heat map's cells) drawn in it.
@@ -267,14 +308,14 @@ def check_folds(tab, cells):
 
 
 def test_every_folded_cell_is_a_closed_fold_that_a_click_opens(
-    opened, page, executed_notebook
+    opened, page, page_notebook
 ):
     """The support cells of the book, tagged for Jupyter Book: each is one closed
     fold on the page, its code out of sight (the output of a hide-input cell in
     sight) until a click on the fold's summary shows it; the page still fetches
     nothing."""
     tab, _ = opened
-    cells = nbformat.read(executed_notebook, as_version=4).cells
+    cells = nbformat.read(page_notebook, as_version=4).cells
     folded = folded_on_the_page(cells)
     assert folded, "the book folds no cell"
     check_folds(tab, folded)
@@ -379,9 +420,9 @@ def test_hovering_an_attention_cell_shows_its_query_key_and_weight(opened):
         }
 
 
-def test_the_attention_menus_pick_the_kind_layer_and_head(opened, executed_notebook):
+def test_the_attention_menus_pick_the_kind_layer_and_head(opened, page_notebook):
     tab, _ = opened
-    notebook = nbformat.read(executed_notebook, as_version=4)
+    notebook = nbformat.read(page_notebook, as_version=4)
     specs = [
         o.data[VEGA_LITE]
         for cell in notebook.cells
@@ -457,12 +498,112 @@ def test_site_holds_the_page_the_figures_and_the_executed_notebook(built_site):
         "images",
         "index.html",
         "the_annotated_transformer.ipynb",
+        "zh",
+    ]
+    assert sorted(p.name for p in (built_site / "zh").iterdir()) == [
+        "index.html",
+        "the_annotated_transformer.zh.ipynb",
     ]
     figures = sorted(p.name for p in IMAGES.glob("*.png"))
     assert figures and sorted(p.name for p in (built_site / "images").iterdir()) == (
         figures
     )
     assert sorted(p.name for p in built_site.parent.iterdir()) == ["site"]
+
+
+def test_the_chinese_page_has_the_books_code_and_the_english_runs_outputs(
+    built_site,
+):
+    """The Chinese page shows the outputs of the English run (tools/build_site.py):
+    the same code cells, in the same order, each with the same outputs; its
+    markdown is the committed Chinese notebook's."""
+    english, chinese = (
+        nbformat.read(built_site / EXECUTED[lang], as_version=4)
+        for lang in ("en", "zh")
+    )
+    assert [c.cell_type for c in chinese.cells] == [c.cell_type for c in english.cells]
+    code = [(c.source, c.outputs) for c in english.cells if c.cell_type == "code"]
+    assert [(c.source, c.outputs) for c in chinese.cells if c.cell_type == "code"] == (
+        code
+    )
+    assert sum(bool(outputs) for _, outputs in code) >= 50
+    committed = nbformat.read(REPO_ROOT / COMMITTED["zh"], as_version=4)
+    assert [c.source for c in chinese.cells if c.cell_type == "markdown"] == [
+        c.source for c in committed.cells if c.cell_type == "markdown"
+    ]
+
+
+# Each page's links to the editions, in order: (words, the page it opens, or None
+# for the page itself).
+EDITION_LINKS = {
+    "en": [("中文", "zh/index.html"), ("English", None)],
+    "zh": [("中文", None), ("English", "index.html")],
+}
+
+
+def test_each_page_links_to_the_other_edition_at_its_top(dom, edition, page):
+    main = dom.find("main")
+    nav = main.find(True)  # its first element
+    assert nav.name == "nav" and "jp-Editions" in nav["class"], nav
+    assert nav.get_text(" ", strip=True) == "中文 / English"
+    seen = []
+    for child in nav.find_all(["a", "span"]):
+        href = child.get("href")
+        target = (page.parent / href).resolve() if href else None
+        site = page.parent.parent if edition == "zh" else page.parent
+        seen.append(
+            (child.get_text(), target and target.relative_to(site.resolve()).as_posix())
+        )
+        if target:
+            assert target.is_file(), href
+    assert seen == EDITION_LINKS[edition]
+    # The page says its language, for fonts, hyphenation and screen readers.
+    assert dom.find("html")["lang"] == edition
+    # The Chinese page's link to the English edition, in its title cell, opens the
+    # site's English page, not GitHub's view of the notebook.
+    if edition == "zh":
+        link = dom.find("a", string="English edition")
+        assert link is not None and link["href"] == "../index.html"
+
+
+def test_every_chinese_character_is_drawn_in_a_cjk_font(opened, edition):
+    """Read from Chromium (CSS.getPlatformFontsForNode): each element with Chinese
+    on the page is drawn in a CJK font the Chinese page names, every character of
+    it. On the English page that is the link 中文; the Chinese page names its font
+    stack, CJK fonts after the Latin ones, and the browser uses it."""
+    tab, _ = opened
+    elements, gaps = tab.drawn_outside(CJK_FONTS, script="Han")
+    assert gaps == [], (
+        "Chinese drawn without a CJK font (missing-glyph boxes): install one, e.g. "
+        f"Debian's fonts-wqy-microhei (.ci/run does). {gaps[:5]}"
+    )
+    assert elements >= (300 if edition == "zh" else 1)
+    family = tab.evaluate(
+        "getComputedStyle(document.querySelector('.jp-MarkdownOutput')).fontFamily"
+    )
+    if edition == "zh":
+        assert family.replace(", ", ",") == ",".join(FONT_STACKS["zh"])
+    else:
+        assert not CJK_FONTS & set(re.findall(r'"([^"]+)"', family))
+
+
+def test_a_character_no_font_has_is_found(chromium, tmp_path):
+    """The control of the font test: a Han character outside every installed font
+    (U+2A6D6, of CJK Extension B) is drawn as a box, by a font that is no CJK
+    font, and found; the common characters beside it are found drawn right."""
+    page = tmp_path / "boxes.html"
+    stack = ", ".join(FONT_STACKS["zh"])
+    page.write_text(
+        '<html lang="zh"><body style=\'font-family: ' + stack + "'>"
+        "<p>注意力</p><p>\U0002a6d6</p><p>多头<b>注意力</b></p></body></html>",
+        encoding="utf-8",
+    )
+    with Browser(chromium, CHROMIUM_FLAGS, tmp_path / "profile") as tab:
+        tab.open(page.as_uri())
+        elements, gaps = tab.drawn_outside(CJK_FONTS, script="Han")
+    assert elements == 4
+    assert [text for text, _ in gaps] == ["\U0002a6d6"]
+    assert not CJK_FONTS & set(gaps[0][1])
 
 
 def make_site(site, **environ):

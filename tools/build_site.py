@@ -6,8 +6,11 @@ The folder holds
   index.html                        the book, every cell run, as one offline page
                                     (tools/export_html.py: math, charts, figures inside)
   the_annotated_transformer.ipynb   the executed notebook, outputs included
+  zh/index.html                     the Chinese edition's page (中文版), and beside it
+  zh/the_annotated_transformer.zh.ipynb   its notebook, with the same outputs
   images/                           the figures, for linking to them one by one
   .nojekyll                         GitHub Pages serves the files as they are
+Each page links to the other at its top (中文 / English).
 
 The book is read from the_annotated_transformer.py, so the site shows the book as it
 stands even before `make notebook`. Its cells run with the kernel `python3` of the
@@ -15,8 +18,10 @@ Python that runs this script (the project's .venv under `make site`), in the fol
 being built: a cell that wrote a file would show up in the site, and the tests check
 that none does. The profile comes from $ANNOTATED_TRANSFORMER_PROFILE (the book's
 default, `quick`, when unset) and Part 3 finds Multi30k through
-$ANNOTATED_TRANSFORMER_DATA. The folder is built beside --out and replaces it only
-once complete, so a failed build leaves the previous site as it was.
+$ANNOTATED_TRANSFORMER_DATA. The Chinese notebook is built from its catalogue
+(tools/translation.py) before anything runs, so a cell without a current
+translation stops the build at once. The folder is built beside --out and replaces
+it only once complete, so a failed build leaves the previous site as it was.
 """
 
 import argparse
@@ -32,6 +37,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 BOOK = REPO_ROOT / "the_annotated_transformer.py"
 IMAGES = REPO_ROOT / "images"
 PROFILE_ENV = "ANNOTATED_TRANSFORMER_PROFILE"
+# The editions, in the order of the link at the top of each page: (language, the
+# link's words, the page's folder in the site).
+EDITIONS = [("zh", "中文", "zh"), ("en", "English", "")]
 
 
 class BuildError(Exception):
@@ -114,6 +122,51 @@ def _cell_failed(cell):
     return any(output.get("output_type") == "error" for output in outputs)
 
 
+def editions_seen_from(language):
+    """The links at the top of the page of `language`: (language, words, address
+    relative to that page, or None for the page itself)."""
+    here = next(folder for lang, _, folder in EDITIONS if lang == language)
+    up = "../" * len(Path(here).parts)
+    links = []
+    for lang, words, folder in EDITIONS:
+        page = f"{up}{folder}/index.html" if folder else f"{up}index.html"
+        links.append((lang, words, None if lang == language else page))
+    return links
+
+
+def translated_notebook(lang):
+    """The LANG notebook built from its catalogue; BuildError, saying which cells,
+    when one has no current translation."""
+    import translation
+
+    try:
+        notebook, _ = translation.translated_notebook(lang)
+    except translation.TranslationError as error:
+        raise BuildError(str(error)) from error
+    return notebook
+
+
+def with_outputs_of(notebook, executed):
+    """`notebook` (a translation) with the outputs of `executed` (the English book,
+    run): the code cells are the same, character for character, in the same order
+    (tests/test_translation.py checks it), so running them a second time would
+    spend as long again to print the same. `make execute` and tests/test_colab.py
+    do run the Chinese notebook itself."""
+    ours = [c for c in notebook.cells if c.cell_type == "code"]
+    run = [c for c in executed.cells if c.cell_type == "code"]
+    if [c.source for c in ours] != [c.source for c in run]:
+        raise BuildError(
+            "the translated notebook's code cells are not the book's: rebuild it "
+            "with `make translations`"
+        )
+    for cell, done in zip(ours, run, strict=True):
+        cell.outputs = done.outputs
+        cell.execution_count = done.execution_count
+    if "language_info" in executed.metadata:
+        notebook.metadata["language_info"] = executed.metadata["language_info"]
+    return notebook
+
+
 def build_site(out):
     """Build the site into `out`; return the path of its index.html."""
     out = Path(out).resolve()
@@ -121,7 +174,10 @@ def build_site(out):
     import jupytext  # the notebook tools, a second of imports: after the checks
     import nbformat
     from export_html import export_html
+    from repository import blob_url
+    from translation import ENGLISH_NOTEBOOK, notebook_name
 
+    chinese = translated_notebook("zh")  # before the minutes of running the book
     building = out.with_name(out.name + ".building")
     shutil.rmtree(building, ignore_errors=True)
     building.mkdir(parents=True)
@@ -133,7 +189,22 @@ def build_site(out):
     notebook.metadata.pop("jupytext", None)
     executed = building / "the_annotated_transformer.ipynb"
     nbformat.write(notebook, executed)
-    export_html(executed, building / "index.html")
+    export_html(executed, building / "index.html", editions=editions_seen_from("en"))
+
+    start = time.perf_counter()
+    (building / "zh").mkdir()
+    translated = building / "zh" / Path(notebook_name("zh")).name
+    nbformat.write(with_outputs_of(chinese, notebook), translated)
+    export_html(
+        translated,
+        building / "zh" / "index.html",
+        language="zh",
+        editions=editions_seen_from("zh"),
+        # Its line to the English edition: the page beside it, not GitHub's.
+        links={blob_url(ENGLISH_NOTEBOOK): "../index.html"},
+    )
+    seconds = time.perf_counter() - start
+    print(f"wrote the Chinese page, zh/index.html, in {seconds:.0f} s", flush=True)
     shutil.copytree(IMAGES, building / "images")
     (building / ".nojekyll").touch()
 

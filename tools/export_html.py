@@ -13,7 +13,10 @@ their address on the repository's main (tools/repository.py), are embedded from 
 checkout as data URLs. The cells the book folds (Jupyter Book's hide-input,
 hide-output and hide-cell tags) are closed <details> folds, which the browser opens
 on a click without any script (the template's codecell, input_group and
-output_group blocks).
+output_group blocks). A translated edition (`--lang zh`) names its language in the
+page and a font stack for its script that falls back sensibly on readers' machines
+(FONT_STACKS); the site puts a link to each edition at the top of each page
+(`editions`).
 tools/build_site.py (`make site`) uses it too; tests/test_site.py opens its page in
 headless Chromium.
 """
@@ -112,6 +115,40 @@ vegaEmbed("#chart-{n}", JSON.parse(document.getElementById("chart-{n}-spec").tex
 </script>"""
 
 
+class Relink(Preprocessor):
+    """Rewrite the targets of markdown links named in `resources["links"]` ({old:
+    new}): a translated page's link to the English notebook on GitHub becomes the
+    site's English page beside it."""
+
+    def preprocess_cell(self, cell, resources, index):
+        links = resources.get("links") or {}
+        if cell.cell_type == "markdown" and links:
+            for old, new in links.items():
+                cell.source = cell.source.replace(f"]({old})", f"]({new})")
+        return cell, resources
+
+
+# Each translated edition's fonts, the Latin ones first (they draw the Latin
+# letters and digits), then the CJK fonts readers have: macOS (PingFang SC,
+# Hiragino Sans GB), Windows (Microsoft YaHei), Linux and Android (Noto Sans CJK SC,
+# Source Han Sans SC, and WenQuanYi Micro Hei, Debian's fonts-wqy-microhei, which
+# the browser tests use), then the browser's own sans-serif.
+LATIN_FONTS = ["system-ui", "-apple-system", "blinkmacsystemfont", '"Segoe UI"']
+LATIN_FONTS += ["helvetica", "arial"]
+FONT_STACKS = {
+    "zh": LATIN_FONTS
+    + [
+        '"PingFang SC"',
+        '"Hiragino Sans GB"',
+        '"Microsoft YaHei"',
+        '"Noto Sans CJK SC"',
+        '"Source Han Sans SC"',
+        '"WenQuanYi Micro Hei"',
+        "sans-serif",
+    ],
+}
+
+
 class InteractiveCharts(Preprocessor):
     """Put each Vega-Lite output in the page as a chart that Vega-Embed draws (in
     place of its PNG), and Vega-Embed's JavaScript in the page once."""
@@ -135,32 +172,47 @@ class InteractiveCharts(Preprocessor):
         return cell, resources
 
 
-def make_exporter():
+def make_exporter(language="en"):
     """The HTMLExporter behind `make html`: lab template, offline, images embedded,
-    charts interactive."""
+    charts interactive; `language` is the page's (ISO 639-1)."""
     exporter = HTMLExporter(
+        language_code=language,
         template_name="lab",
         template_file=str(TEMPLATE),
         extra_template_paths=[str(MATHJAX_ES5)],
         embed_images=True,  # <img> tags in markdown, for files under the folder
     )
     exporter.register_preprocessor(TitleFromFirstHeading, enabled=True)
+    exporter.register_preprocessor(Relink, enabled=True)
     exporter.register_preprocessor(AttachLocalImages, enabled=True)
     exporter.register_preprocessor(InteractiveCharts, enabled=True)
     return exporter
 
 
-def export_html(notebook, out=None, images_from=NOTEBOOKS):
+def export_html(
+    notebook, out=None, images_from=NOTEBOOKS, language="en", editions=(), links=None
+):
     """Write the notebook file as HTML beside it (or to `out`); return its path.
 
     Relative image links in markdown cells start at `images_from`: the folder of the
-    committed notebook, wherever the executed copy was written.
+    committed notebook, wherever the executed copy was written. `language` is the
+    page's; `editions`, (language, label, address or None for this page), are
+    linked at the top of the page; `links` ({old: new}) rewrites link targets.
     """
     notebook = Path(notebook)
     out = Path(out) if out else notebook.with_suffix(".html")
     nb = nbformat.read(notebook, as_version=4)
-    resources = {"metadata": {"path": str(Path(images_from).resolve())}}
-    body, _ = make_exporter().from_notebook_node(nb, resources=resources)
+    resources = {
+        "metadata": {"path": str(Path(images_from).resolve())},
+        "font_stack": ", ".join(FONT_STACKS.get(language, [])),
+        "editions": [
+            {"language": lang, "label": label, "href": href}
+            for lang, label, href in editions
+        ],
+        "links": links or {},
+    }
+    exporter = make_exporter(language)
+    body, _ = exporter.from_notebook_node(nb, resources=resources)
     return atomic_write_text(out, body)
 
 
@@ -168,8 +220,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
     parser.add_argument("notebook", help="an executed .ipynb")
     parser.add_argument("--out", help="the HTML file (default: beside the notebook)")
+    parser.add_argument(
+        "--lang", default="en", help="the notebook's language: en, or zh (Chinese)"
+    )
     args = parser.parse_args(argv)
-    path = export_html(args.notebook, args.out)
+    path = export_html(args.notebook, args.out, language=args.lang)
     print(f"wrote {path} ({path.stat().st_size:,} bytes)")
 
 

@@ -50,8 +50,14 @@ def colab_url(path, pyproject=PYPROJECT):
 
 
 # The files that link to the repository's own files from outside the checkout, and
-# the links' forms: each group 1 is an OWNER/NAME.
-LINKING = ("README.md", "the_annotated_transformer.py")
+# the links' forms: each group 1 is an OWNER/NAME. The Chinese catalogue holds the
+# book's figures' addresses in each cell's English and its translation alike: both
+# are rewritten, so its entries stay current (tools/translation.py).
+LINKING = (
+    "README.md",
+    "the_annotated_transformer.py",
+    "translations/zh/the_annotated_transformer.po",
+)
 OWN_LINK = re.compile(
     r"https://(?:raw\.githubusercontent\.com|github\.com"
     r"|colab\.research\.google\.com/github)"
