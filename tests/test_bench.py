@@ -123,6 +123,7 @@ class DevicesSeen(TorchFunctionMode):
         return out
 
 
+@pytest.mark.slow
 def test_training_models_and_batches_are_made_on_the_bench_device(bench_module):
     """On the meta device (shapes, no values): every parameter, buffer and batch
     tensor lands there, and each model's forward pass touches no other device."""
@@ -142,6 +143,7 @@ def test_training_models_and_batches_are_made_on_the_bench_device(bench_module):
     assert {t.device for t in tensors} == seen.devices == {meta}
 
 
+@pytest.mark.slow
 def test_timed_decoding_and_matmul_peak_touch_only_the_bench_device(
     bench_module, monkeypatch
 ):
@@ -198,6 +200,7 @@ def test_greedy_steps_go_through_the_cache_they_are_given(bench_module):
     assert torch.equal(ys, decoding.greedy_steps(model, memory, src_mask, 5))
 
 
+@pytest.mark.slow
 def test_trainer_in_bf16_trains_the_model_and_its_loss_under_autocast(bench_module):
     workloads, settings = bench_module("workloads"), bench_module("bench_settings")
     sizes = settings.Sizes(N=1, d_model=32, d_ff=64, h=4, vocab=50)

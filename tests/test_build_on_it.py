@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PAGE = REPO_ROOT / "docs" / "build_on_it.md"
 
@@ -23,6 +25,7 @@ def blocks(language):
     return re.findall(rf"```{language}\n(.*?)```", text, flags=re.DOTALL)
 
 
+@pytest.mark.slow
 def test_the_build_on_it_example_prints_what_the_page_says(tmp_path):
     (code,), (printed,) = blocks("python"), blocks("text")
     script = tmp_path / "example.py"

@@ -196,6 +196,7 @@ def tiny_checkpoint_state():
     }
 
 
+@pytest.mark.slow
 def test_translate_with_a_checkpoint_of_the_right_form_prints_a_line(tmp_path, run_cli):
     """The control for the damaged checkpoints below: the intact one translates."""
     path = tmp_path / "tiny.pt"
@@ -276,6 +277,7 @@ def test_an_unexpected_failure_is_one_line_that_says_how_to_see_the_traceback(
         cli.main(["figures"])
 
 
+@pytest.mark.slow
 def test_copy_trains_on_the_device_it_is_given_and_prints_the_copies(
     monkeypatch, run_cli
 ):
@@ -419,6 +421,7 @@ def test_download_command_cut_off_mid_file_exits_1_in_one_line_and_keeps_nothing
 # translate
 
 
+@pytest.mark.slow
 def test_translate_command_names_a_sentence_longer_than_the_models_positions(
     translator, monkeypatch, capsys, no_progress
 ):
@@ -481,6 +484,7 @@ def test_train_command_with_resume_but_no_last_checkpoint_returns_1(tmp_path, ca
     assert "last.pt" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_train_command_trains_the_smoke_profile_and_saves_a_checkpoint(
     multi30k_dir, tmp_path
 ):
@@ -545,6 +549,7 @@ def test_train_into_a_folder_holding_a_run_exits_2_and_leaves_the_run_alone(
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before
 
 
+@pytest.mark.slow
 def test_resume_takes_the_runs_settings_and_extends_only_its_epochs(
     smoke_run, multi30k_dir, tmp_path, capsys
 ):
@@ -580,6 +585,7 @@ def test_resume_refuses_to_change_a_runs_settings_or_to_train_nothing(
     assert (run / "last.pt").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_a_run_stopped_by_its_time_limit_finishes_with_the_command_it_prints(
     multi30k_dir, tmp_path, capsys, run_cli
 ):
@@ -792,6 +798,7 @@ def attention_argv(checkpoint, out):
     return ["attention", "--checkpoint", str(checkpoint), "--out", str(out)]
 
 
+@pytest.mark.slow
 def test_attention_command_writes_the_three_maps_as_png(trained_checkpoint, tmp_path):
     argv = attention_argv(trained_checkpoint, tmp_path)
     assert cli.main([*argv, "--head", "0", "--head", "1", SENTENCE]) == 0
@@ -826,6 +833,7 @@ def reproduce_again(reproduced, name, *options):
     return cli.main(argv), out
 
 
+@pytest.mark.slow
 def test_reproduce_command_reports_on_an_existing_run(reproduced, capsys):
     code, out = reproduce_again(reproduced, "again", "--limit", "10", "--alphas", "0.6")
     assert code == 0
@@ -870,6 +878,7 @@ def test_reproduce_into_a_folder_holding_a_run_exits_2_and_trains_nothing(
     assert not (root / "unused").exists()
 
 
+@pytest.mark.slow
 def test_reproduce_command_on_an_ascii_console_still_prints_the_row(
     reproduced, monkeypatch
 ):
@@ -1019,6 +1028,7 @@ def test_make_refuses_to_make_the_venv_with_another_python(version, tmp_path):
     assert not (checkout / "venv").exists()
 
 
+@pytest.mark.slow
 def test_make_data_fills_the_default_folder_and_checks_it(multi30k_server, tmp_path):
     result = make_in_a_copy(tmp_path, "data", DATA_URL=multi30k_server.url)
     assert result.returncode == 0, result.stderr
@@ -1027,6 +1037,7 @@ def test_make_data_fills_the_default_folder_and_checks_it(multi30k_server, tmp_p
     assert "Multi30k is in data/multi30k" in result.stdout.splitlines()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["data", "multi30k"])
 def test_make_data_without_network_fails_in_one_line(target, tmp_path):
     # DATA_DIR from the Makefile's default: `make data` must fetch, and cannot (the
@@ -1044,6 +1055,7 @@ def test_make_data_without_network_fails_in_one_line(target, tmp_path):
     assert names_in(log.parent) == ["multi30k.log"]
 
 
+@pytest.mark.slow
 def test_a_failed_results_run_leaves_the_committed_log_untouched(tmp_path):
     log = committed_log(tmp_path, "smoke")
     empty = tmp_path / "no_data"  # named, so nothing is fetched; it holds no files
@@ -1145,6 +1157,7 @@ def test_translate_into_a_closed_pipe_exits_quietly(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.slow
 def test_translate_piped_into_a_reader_that_left_ends_without_an_error(smoke_run):
     read_end, write_end = os.pipe()
     os.close(read_end)  # like `| head -1` once head has its line
@@ -1230,6 +1243,7 @@ def test_each_spawned_cpu_process_gets_its_share_of_the_cores(monkeypatch):
     assert seen == [(0, 2, ("job",), 2), (1, 2, ("job",), 2)]
 
 
+@pytest.mark.slow
 def test_reproduce_names_the_averaging_windows_it_drops(reproduced, capsys):
     options = ["--limit", "5", "--average", "2,4,7", "--beam", "2", "--alphas", "0.6"]
     code, _ = reproduce_again(reproduced, "windows", *options)
@@ -1240,6 +1254,7 @@ def test_reproduce_names_the_averaging_windows_it_drops(reproduced, capsys):
     assert warnings[0].endswith("dropped: the run trained only 2 epochs.")
 
 
+@pytest.mark.slow
 def test_reproduce_names_the_pruning_that_dropped_its_averages(
     smoke_run, multi30k_dir, tmp_path, run_cli
 ):
@@ -1258,6 +1273,7 @@ def test_reproduce_names_the_pruning_that_dropped_its_averages(
     )
 
 
+@pytest.mark.slow
 def test_a_failing_cell_makes_the_site_build_fail_in_one_line(tmp_path):
     import nbformat
 
@@ -1290,6 +1306,7 @@ def test_train_with_a_mistyped_data_folder_creates_no_run_folder(tmp_path, run_c
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_reproduce_writes_into_its_run_folder_and_never_a_limit_into_results(
     reproduced, multi30k_dir, tmp_path, monkeypatch, run_cli
 ):
@@ -1329,6 +1346,7 @@ def test_out_of_memory_gets_its_own_line_saying_what_to_lower(
     assert "Tried to allocate 2.00 GiB" in line and "report it" not in line
 
 
+@pytest.mark.slow
 def test_translate_searches_with_the_beam_and_alpha_it_is_given(
     translator, smoke_run, monkeypatch, run_cli
 ):
@@ -1694,6 +1712,7 @@ BAD_INPUT = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BAD_INPUT))
 def test_bad_input_is_one_clear_line_and_loses_nothing(
     case, smoke_run, multi30k_dir, tmp_path, monkeypatch, run_cli
@@ -1827,6 +1846,7 @@ def test_translate_n_best_lists_the_books_beam_hypotheses_with_their_scores(
     assert [rows[0][2], rows[3][2]] == [beam[0], beam[2]]  # the best is --beam 3's
 
 
+@pytest.mark.slow
 def test_translate_samples_again_what_a_seed_drew(smoke_run, run_cli, no_progress):
     """--sample without --seed draws from a fresh seed and names it; that seed
     draws the same again, and another seed something else."""
@@ -1850,6 +1870,7 @@ def test_translate_samples_again_what_a_seed_drew(smoke_run, run_cli, no_progres
     assert all(a >= b for a, b in zip(scores[::2], scores[1::2], strict=True))
 
 
+@pytest.mark.slow
 def test_keep_checkpoints_prunes_a_runs_epochs_logs_time_and_names_what_it_saved(
     multi30k_dir, tmp_path, run_cli
 ):

@@ -439,6 +439,7 @@ def run_documented(use, argv, capsys, folder):
     return status, out, err
 
 
+@pytest.mark.slow
 def test_the_short_documented_commands_run_as_written(
     documented_run, multi30k_dir, tmp_path, monkeypatch, capsys
 ):

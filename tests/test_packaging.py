@@ -57,6 +57,7 @@ def installed(wheel, tmp_path_factory):
     return python
 
 
+@pytest.mark.slow
 def test_the_wheel_holds_the_book_and_the_workshop_package(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert "the_annotated_transformer.py" in names
@@ -64,6 +65,7 @@ def test_the_wheel_holds_the_book_and_the_workshop_package(wheel):
     assert not [n for n in names if n.startswith(("tests/", "notebooks/", "results/"))]
 
 
+@pytest.mark.slow
 def test_the_installed_book_imports_from_an_empty_folder(installed, tmp_path):
     code = (
         "import the_annotated_transformer as tat, workshop; "

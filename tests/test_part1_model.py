@@ -797,6 +797,7 @@ def base_model_unshared():
     return tat.make_model(37000, 37000)
 
 
+@pytest.mark.slow
 @pytest.mark.first_pass_only  # counts and imports: no kernel in them
 def test_base_model_with_shared_weights_has_about_65_million_parameters(
     base_model_shared,
@@ -809,6 +810,7 @@ def test_base_model_with_shared_weights_has_about_65_million_parameters(
     assert count == expected
 
 
+@pytest.mark.slow
 @pytest.mark.first_pass_only  # counts and imports: no kernel in them
 def test_base_model_without_sharing_has_the_parameter_count_computed_by_hand(
     base_model_unshared,
@@ -1114,6 +1116,7 @@ def test_make_model_rejects_bad_sizes_with_a_message_naming_the_argument(
 # ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.first_pass_only  # counts and imports: no kernel in them
 def test_importing_the_module_prints_nothing():
     result = run_python("import the_annotated_transformer")
@@ -1122,6 +1125,7 @@ def test_importing_the_module_prints_nothing():
     assert result.stderr == ""
 
 
+@pytest.mark.slow
 @pytest.mark.first_pass_only  # counts and imports: no kernel in them
 def test_importing_the_module_does_not_import_plotting_or_language_tools():
     heavy = ["altair", "pandas", "spacy", "sacrebleu"]

@@ -15,7 +15,7 @@ from torch.nn.utils import parameters_to_vector
 
 import the_annotated_transformer as tat
 
-# The trained runs depend on the CPU kernels: `make test` runs them on both paths.
+# The trained runs depend on the CPU kernels: `make check` runs them on both paths.
 pytestmark = [pytest.mark.numerical, pytest.mark.usefixtures("one_cpu_thread")]
 
 VOCAB, PAD = 11, tat.COPY_PAD
@@ -43,6 +43,7 @@ def copied(model):
 # ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_decoder_that_sees_the_future_reaches_a_low_loss_but_cannot_decode(runs):
     (leaky, leak), right = runs["future"], runs["right"][0]
     # A final loss of 0.1 nats means the right token gets e^-0.1 = 90% of the

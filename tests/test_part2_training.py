@@ -773,9 +773,13 @@ def test_greedy_decode_keeps_the_original_positional_signature():
 # ---------------------------------------------------------------------------------
 
 
+# Each seed trains for about a minute on a 2-core CPU: slow, so `make check` only.
 @pytest.fixture(
     scope="module",
-    params=[1, pytest.param(2, marks=pytest.mark.first_pass_only)],
+    params=[
+        pytest.param(1, marks=pytest.mark.slow),
+        pytest.param(2, marks=[pytest.mark.slow, pytest.mark.first_pass_only]),
+    ],
     ids=lambda seed: f"seed {seed}",
 )
 def trained_copy_model(request):
@@ -784,7 +788,7 @@ def trained_copy_model(request):
     Exactness must not hang on one lucky seed: the schedule cools the rate to zero, so
     every seed ends in a settled model. Seed 0 is the book's script, which
     tests/test_cli.py runs (and `make bench` checks seeds 0-9). The second pass of
-    `make test`, on other kernels, trains seed 1 alone: which kernels run does not
+    `make check`, on other kernels, trains seed 1 alone: which kernels run does not
     depend on the seed.
     """
     return trained_copy_task(request.param)
@@ -831,6 +835,7 @@ def test_decoding_step_by_step_prints_each_prefix_and_rebuilds_the_copy(
     )
 
 
+@pytest.mark.slow
 def test_the_layout_comparison_trains_both_layouts_alike_and_charts_them():
     curves = tat.compare_layouts(epochs=2)
     assert list(curves) == ["pre-norm", "post-norm"]
@@ -1030,6 +1035,7 @@ def mean_and_standard_error(values):
 GENERATOR_DRAWS = 400
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("V", [11, 1000])
 def test_the_untrained_models_first_loss_averages_between_ln_v_and_ln_v_plus_half_s2(
     V,
@@ -1068,6 +1074,7 @@ def test_the_untrained_models_first_loss_averages_between_ln_v_and_ln_v_plus_hal
     assert math.log(V) - 4 * se <= mean <= math.log(V) + s2 / 2 + 4 * se
 
 
+@pytest.mark.slow
 def test_a_generator_ten_times_too_large_starts_far_above_the_ln_v_band():
     """The control: the same check on a model whose generator weights are 10 times
     Glorot's fails. Scores of spread 10 s ≈ 13.6 make the loss about the largest of
@@ -1116,6 +1123,7 @@ def test_the_first_loss_example_prints_ln_v_and_the_prediction_for_both_vocabula
 OVERFIT_STEPS, OVERFIT_LR = 60, 1e-3  # the book's overfit_one_batch defaults
 
 
+@pytest.mark.slow
 def test_the_copy_model_learns_one_batch_by_heart_below_0_01_within_60_steps():
     """The bound the book states: below 0.01 nats per token, i.e. the right tokens
     get more than exp(-0.01) = 99% of the probability (geometric mean); the model
@@ -1126,6 +1134,7 @@ def test_the_copy_model_learns_one_batch_by_heart_below_0_01_within_60_steps():
     assert losses[-1] < 0.01
 
 
+@pytest.mark.slow
 def test_with_targets_drawn_afresh_each_step_the_same_training_stays_far_above_0_01():
     """The control: the same model, batch, optimizer and steps, but at each step
     the targets are a fresh copy-task sequence unrelated to the source. Each target

@@ -151,6 +151,7 @@ def test_vocab_rejects_a_list_without_the_specials_or_with_a_repeated_token():
         tat.Vocab([*tat.SPECIALS, "Hund", "Hund"])
 
 
+@pytest.mark.slow
 def test_vocabulary_holds_exactly_the_training_words_seen_at_least_twice(
     vocabs, train_counts
 ):
@@ -221,6 +222,7 @@ def padded_size(batch, lengths):
     return len(batch) * max(lengths[i] for i in batch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_tokens", [200, 2000])
 def test_sampler_keeps_every_batch_within_the_token_budget(train_data, max_tokens):
     lengths = train_data.lengths("train")
@@ -293,6 +295,7 @@ def original_batches(pairs, batch_size=32, width=72):
         yield tat.Batch(src, tgt, tat.PAD)
 
 
+@pytest.mark.slow
 def test_token_budget_batches_waste_far_less_on_padding_than_the_original(
     train_data,
 ):
@@ -323,6 +326,7 @@ def test_prepare_data_encodes_each_sentence_as_its_tokens_between_bos_and_eos(
     assert data.lengths("val")[0] == max(len(s) for s in data.splits["val"][0])
 
 
+@pytest.mark.slow
 def test_prepare_data_builds_vocabularies_from_the_sliced_train_split_for_any_splits(
     multi30k_dir,
 ):
@@ -413,6 +417,7 @@ def fresh_notebook_run():
     tat.notebook_run.cache_clear()
 
 
+@pytest.mark.slow
 def test_notebook_run_trains_the_profile_in_memory_once_with_the_books_model(
     fresh_notebook_run, multi30k_dir, tmp_path, monkeypatch, capsys
 ):

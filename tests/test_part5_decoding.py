@@ -44,12 +44,18 @@ def untrained_post_norm_model():
     return tat.make_model(13, 13, N=2, d_model=32, d_ff=64, h=4, norm_first=False)
 
 
+# The trained copy model costs a minute of training on a 2-core CPU (unless Part 2's
+# tests trained it first): its cases, and the tests that take it, are slow.
 @pytest.fixture(
-    params=["trained copy model", "untrained model", "untrained post-norm model"]
+    params=[
+        pytest.param("trained copy model", marks=pytest.mark.slow),
+        "untrained model",
+        "untrained post-norm model",
+    ]
 )
-def case(request, copy_model, untrained_model, untrained_post_norm_model):
+def case(request, untrained_model, untrained_post_norm_model):
     if request.param == "trained copy model":
-        return (copy_model, *copy_sources(), START, None)
+        return (request.getfixturevalue("copy_model"), *copy_sources(), START, None)
     if request.param == "untrained model":
         return (untrained_model, *untrained_sources(), 0, 1)
     return (untrained_post_norm_model.eval(), *untrained_sources(), 0, 1)
@@ -139,6 +145,7 @@ def test_cached_and_uncached_beam_search_give_the_same_hypotheses_and_scores(cas
             assert a == pytest.approx(b, abs=tolerance)
 
 
+@pytest.mark.slow
 def test_beam_search_on_a_padded_batch_gives_each_sentence_what_it_gets_alone(
     copy_model,
 ):
@@ -204,6 +211,7 @@ def batch_of_sources(lengths, seed=7):
     return src, (src != PAD).unsqueeze(-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("beam_size", [1, 3, 4])
 def test_the_books_beam_search_finds_what_the_batched_one_finds(copy_model, beam_size):
     src, src_mask = batch_of_sources([10, 6, 3, 8])
@@ -216,6 +224,7 @@ def test_the_books_beam_search_finds_what_the_batched_one_finds(copy_model, beam
     assert torch.equal(book, batched)
 
 
+@pytest.mark.slow
 def test_the_books_beam_search_of_width_one_chooses_what_greedy_decoding_chooses(
     copy_model,
 ):

@@ -30,6 +30,7 @@ SMALL = dict(N=1, d_model=32, d_ff=64, h=2, dropout=0.0)
 # Learning the vocabulary
 
 
+@pytest.mark.slow
 def test_subword_vocab_puts_the_four_specials_first_with_the_books_ids(bpe):
     assert bpe.lookup_tokens(range(4)) == list(tat.SPECIALS)
     assert [bpe[t] for t in tat.SPECIALS] == [tat.BOS, tat.EOS, tat.PAD, tat.UNK]
@@ -52,6 +53,7 @@ def test_every_learned_token_is_a_piece_of_the_training_text_it_came_from(
     assert len(vocab.encode("Zimmermann")) > 1
 
 
+@pytest.mark.slow
 def test_words_found_only_outside_the_training_split_are_cut_into_pieces(
     bpe, multi30k_dir, train_pairs
 ):

@@ -20,6 +20,7 @@ WORKSHOP = REPO_ROOT / "workshop"
 BOOK = "the_annotated_transformer"
 
 
+@pytest.mark.slow
 def test_importing_the_book_loads_no_workshop_module():
     assert loaded_by_importing_the_book(["workshop"]) == []
 
@@ -82,6 +83,7 @@ def test_the_workshop_uses_only_public_names(path):
     assert private_uses(tree) == []
 
 
+@pytest.mark.slow
 def test_the_original_notebooks_names_import_from_the_book():
     result = run_python(
         "from the_annotated_transformer import (make_model, Batch, run_epoch, rate,\n"

@@ -215,6 +215,7 @@ def two_process_worker(rank, rendezvous, result_path):
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_processes_on_halves_of_a_batch_take_the_one_process_step(tmp_path):
     """The run's DistributedLossCompute divides each process's loss by the mean of
@@ -260,6 +261,7 @@ def test_two_processes_on_halves_of_a_batch_take_the_one_process_step(tmp_path):
 # Data-parallel training in two processes
 
 
+@pytest.mark.slow
 def test_epoch_seeds_differ_by_rank_and_epoch_and_repeat_for_the_same_ones():
     seeds = {distributed.epoch_seed(0, e, r) for e in range(3) for r in range(4)}
     assert len(seeds) == 12
@@ -287,6 +289,7 @@ def test_epoch_seeds_differ_by_rank_and_epoch_and_repeat_for_the_same_ones():
     assert [int(word) for word in out.split()] == here
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_processes_train_an_epoch_to_the_end_without_hanging(
     multi30k_dir, tmp_path, monkeypatch

@@ -92,6 +92,7 @@ def figures_dir(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_figures_command_writes_one_png_per_book_chart(figures_dir):
     names = set(figures.book_charts()) | set(figures.book_diagrams())
     assert len(names) >= 10
@@ -99,6 +100,7 @@ def test_figures_command_writes_one_png_per_book_chart(figures_dir):
     assert {p.name for p in figures_dir.iterdir()} == {f"{n}.png" for n in names}
 
 
+@pytest.mark.slow
 def test_every_figure_is_a_valid_non_blank_png(figures_dir):
     for name in [*figures.book_charts(), *figures.book_diagrams()]:
         path = figures_dir / f"{name}.png"

@@ -47,6 +47,7 @@ def test_a_budget_buys_whole_epochs_and_refuses_less_than_one():
         flops.epochs_for_budget(3.0, 4.0)
 
 
+@pytest.mark.slow
 def test_a_run_with_a_budget_trains_the_epochs_it_pays_for(
     multi30k_dir, tmp_path_factory
 ):

@@ -113,6 +113,7 @@ def test_autocast_runs_the_wrapped_models_forward_in_bfloat16_on_the_cpu():
     assert list(wrapped.state_dict()) == [f"model.{k}" for k in model.state_dict()]
 
 
+@pytest.mark.slow
 def test_a_bf16_model_and_loss_train_through_the_books_run_epoch():
     torch.manual_seed(0)
     model = tat.make_model(
@@ -159,6 +160,7 @@ def test_a_run_picks_the_model_and_loss_wrappers_for_its_precision():
     )
 
 
+@pytest.mark.slow
 def test_a_bf16_run_trains_and_evaluates_under_autocast(
     smoke_run, multi30k_dir, tmp_path, monkeypatch
 ):

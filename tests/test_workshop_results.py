@@ -250,6 +250,7 @@ def test_reproduce_writes_the_json_the_table_row_and_the_training_curve(
     assert curve.read_bytes().startswith(PNG_SIGNATURE)
 
 
+@pytest.mark.slow
 def test_reproduce_reads_the_test_split_only_after_choosing_on_validation(
     reproduced, multi30k_dir, monkeypatch
 ):
@@ -276,6 +277,7 @@ def test_reproduce_reads_the_test_split_only_after_choosing_on_validation(
     assert ("read", "test_2016_flickr") in events[chose:]
 
 
+@pytest.mark.slow
 def test_reproduce_writes_its_results_before_printing_the_table(
     reproduced, multi30k_dir, tmp_path, monkeypatch
 ):
@@ -296,6 +298,7 @@ def test_reproduce_writes_its_results_before_printing_the_table(
     assert (tmp_path / "smoke.json").is_file() and (tmp_path / "smoke.md").is_file()
 
 
+@pytest.mark.slow
 def test_reproduce_ignores_epoch_files_past_the_runs_last_epoch(
     reproduced, multi30k_dir, tmp_path
 ):

@@ -108,6 +108,7 @@ def one_error_line(result, status):
     return lines[0]
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_held_folder_is_refused_naming_the_holder(
     multi30k_dir, tmp_path
 ):
@@ -136,6 +137,7 @@ def test_a_second_run_into_a_held_folder_is_refused_naming_the_holder(
     assert "no " in line and "last.pt to continue from" in line
 
 
+@pytest.mark.slow
 def test_a_run_killed_mid_epoch_resumes_to_the_weights_of_an_uninterrupted_run(
     multi30k_dir, tmp_path
 ):

@@ -111,6 +111,7 @@ def test_training_saves_last_and_the_newest_epoch_checkpoints(smoke_run):
     assert vocab_tgt.get_itos() == last["vocab_tgt"]
 
 
+@pytest.mark.slow
 def test_time_limit_stops_before_an_epoch_that_would_end_too_late_and_says_so(
     multi30k_dir, tmp_path, capsys
 ):
@@ -127,6 +128,7 @@ def test_a_run_within_its_time_limit_trains_its_whole_budget_unmarked(smoke_run)
     assert "stopped" not in checkpoints.load_checkpoint(smoke_run.out / "last.pt")
 
 
+@pytest.mark.slow
 def test_a_cooldown_brings_the_rate_to_zero_at_the_runs_last_step(
     smoke_run, multi30k_dir, tmp_path_factory
 ):
@@ -156,6 +158,7 @@ def test_an_epoch_checkpoint_rebuilds_the_trained_model(smoke_run):
     assert len(vocab_tgt) == model.generator.proj.out_features
 
 
+@pytest.mark.slow
 def test_a_run_resumed_after_epoch_1_ends_where_an_uninterrupted_run_ends(
     multi30k_dir, tmp_path
 ):
@@ -256,6 +259,7 @@ def stated_megabytes(line, name):
     return float(re.search(rf"(\d+\.\d) MB for {re.escape(name)}", line).group(1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrapped", [True, False], ids=["torch wraps it", "as it is"])
 @pytest.mark.parametrize("failing", [1, 2], ids=["epoch_003.pt", "last.pt"])
 def test_a_full_disk_says_where_what_the_checkpoints_need_and_what_is_intact(
@@ -290,6 +294,7 @@ def test_a_full_disk_says_where_what_the_checkpoints_need_and_what_is_intact(
         assert abs(stated_megabytes(line, name) - written) <= 0.051, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("failing", [1, 2], ids=["epoch_001.pt", "last.pt"])
 def test_a_full_disk_in_the_first_epoch_leaves_a_folder_that_trains_again(
     failing, multi30k_dir, tmp_path, monkeypatch
@@ -323,6 +328,7 @@ def git_head():
     return result.stdout.strip() if result.returncode == 0 else None
 
 
+@pytest.mark.slow
 def test_a_run_records_what_it_did_and_a_resumed_run_keeps_its_precision(
     multi30k_dir, tmp_path, monkeypatch
 ):
@@ -508,6 +514,7 @@ def test_quick_profile_lowers_the_validation_nll_by_a_third_in_a_few_hundred_ste
     assert history[-1]["val_ppl"] == pytest.approx(math.exp(after))
 
 
+@pytest.mark.slow
 def test_a_run_without_dropout_trains_exactly_what_the_books_recipe_trains(
     multi30k_dir, tmp_path, monkeypatch
 ):
@@ -561,6 +568,7 @@ def bpe_run(multi30k_dir, tmp_path_factory):
     return train_run(bpe_smoke_config(), multi30k_dir, tmp_path_factory, "bpe_run")
 
 
+@pytest.mark.slow
 def test_a_bpe_run_saves_its_vocabulary_in_the_checkpoint_and_as_json(bpe_run):
     assert sorted(p.name for p in bpe_run.out.iterdir()) == [
         "bpe.json",
@@ -608,6 +616,7 @@ def test_a_translator_from_a_bpe_checkpoint_returns_plain_text(bpe_run):
     assert translator.detokenize(tokens) == "A dog runs."
 
 
+@pytest.mark.slow
 def test_a_bpe_run_resumes_with_the_vocabulary_it_saved(
     bpe_run, multi30k_dir, tmp_path
 ):

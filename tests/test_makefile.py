@@ -1,0 +1,86 @@
+"""The Makefile's test targets, run with a stand-in for the venv's Python that records
+what it was asked to do: `make test` is the quick tier, `make check` what CI runs,
+and `make data test` hands the tests the folder that `data` has just filled."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Answers `-m workshop download --data-dir DIR` by making DIR, as the downloader
+# would; every call is written to the log with the data folder the tests would see.
+STAND_IN = """#!/bin/sh
+echo "$* | data=${ANNOTATED_TRANSFORMER_DATA:-none}" >> "$LOG"
+if [ "$1 $2 $3" = "-m workshop download" ]; then mkdir -p "$5"; fi
+"""
+
+
+@pytest.fixture
+def make(tmp_path):
+    if shutil.which("make") is None:
+        pytest.skip("GNU make is not installed")
+    python = tmp_path / "python"
+    python.write_text(STAND_IN)
+    python.chmod(0o755)
+    log = tmp_path / "calls.log"
+    env = {**os.environ, "LOG": str(log)}
+    env.pop("ANNOTATED_TRANSFORMER_DATA", None)
+    env.pop("DATA_DIR", None)
+    env.pop("CI", None)  # lint without node fails under CI=true; the stand-in has none
+
+    def run(*targets, data_dir):
+        # Install stamps newer than every requirements file: nothing is installed.
+        stamps = tmp_path / "installed", tmp_path / "installed-run"
+        for stamp in stamps:
+            stamp.touch()
+        overrides = [
+            f"VENV_PYTHON={python}",
+            f"BIN={tmp_path}",
+            f"STAMP={stamps[0]}",
+            f"RUN_STAMP={stamps[1]}",
+            f"DATA_DIR={data_dir}",
+            "HAVE_NODE=",
+        ]
+        done = subprocess.run(
+            ["make", "--no-print-directory", *targets, *overrides],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stderr
+        return log.read_text().splitlines() if log.exists() else []
+
+    (tmp_path / "ruff").write_text('#!/bin/sh\necho "ruff $*" >> "$LOG"\n')
+    (tmp_path / "ruff").chmod(0o755)
+    return run
+
+
+def test_make_data_test_hands_the_tests_the_folder_data_has_just_made(make, tmp_path):
+    data = tmp_path / "fresh" / "multi30k"
+    calls = make("data", "test", data_dir=data)
+    download, tests = calls
+    assert download.startswith(f"-m workshop download --data-dir {data}")
+    assert tests == f"-m pytest -m not slow | data={data}"
+
+
+def test_without_the_data_folder_the_tests_are_told_of_none(make, tmp_path):
+    """Control: the folder is looked for, not assumed."""
+    calls = make("test", data_dir=tmp_path / "absent")
+    assert calls == ["-m pytest -m not slow | data=none"]
+
+
+def test_make_test_is_the_quick_tier_and_make_check_everything_ci_runs(make, tmp_path):
+    calls = make("check", data_dir=tmp_path)
+    ruff, full, plain = [c.partition(" | ")[0] for c in calls[:1] + calls[2:]]
+    assert calls[1].startswith("ruff format --check")
+    assert ruff == "ruff check ."
+    assert full == "-m pytest"  # every test, the slow ones included
+    assert plain == "-m pytest -m numerical"
+    script = (REPO_ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    commands = [line.strip() for line in script.splitlines()]
+    assert commands[-1] == "make check"
