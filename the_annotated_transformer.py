@@ -159,6 +159,7 @@ if in_notebook() and (missing := missing_requirements()):  # nothing, on import
     )
 
 
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def show_example(fn, *args, **kwargs):
     """Run `fn`, but only inside the notebook; show a chart, a Markdown table or an
     image it returns (examples print everything else)."""

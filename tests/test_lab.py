@@ -329,8 +329,8 @@ def test_the_folded_cells_are_collapsed_and_a_click_opens_them(lab, chromium, tm
             f"[...{cell}].flatMap((c, i) => c.querySelector('{selector}') ? [i] : [])"
         )
 
-    # A window taller than the tallest folded cell (the setup cell: 72 lines of about
-    # 17 pixels), so that CodeMirror draws every line of an opened cell.
+    # A window taller than any folded cell (the tallest: 43 lines of about 17 pixels;
+    # the test asserts that each fits), so that CodeMirror draws every line of it.
     size = (1280, 2000)
     with Browser(chromium, CHROMIUM_FLAGS, tmp_path / "profile", size=size) as tab:
         tab.open(lab["url"], timeout=120)
