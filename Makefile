@@ -11,8 +11,9 @@
 #                   the English of cells not yet translated, for work in progress)
 #   make sync       jupytext --sync: bring the .py and the notebook level, either way
 #   make script     notebooks/the_annotated_transformer.ipynb -> the_annotated_transformer.py
-#   make execute    run every cell of both notebooks -> notebooks/*.executed.ipynb
-#   make html       the executed notebooks as self-contained, offline HTML pages
+#   make execute    run every cell of the book -> notebooks/*.executed.ipynb
+#   make execute-zh the same for the Chinese notebook
+#   make html       both executed notebooks as self-contained, offline HTML pages
 #   make site       the book's website: site/index.html and the Chinese site/zh/index.html,
 #                   executed with the quick profile
 #   make lab        JupyterLab on the book (installs requirements-lab.txt the first time);
@@ -54,13 +55,13 @@ ALLOW_MISSING ?=
 
 .DEFAULT_GOAL := run
 .PHONY: setup setup-run setup-lab setup-colab run test check data notebook translations sync script \
-	execute html site lab figures bench multi30k lint format clean
+	execute execute-zh html site lab figures bench multi30k lint format clean
 
 # The notebook, the commands and the tests find Multi30k through this variable. The
 # targets that read the data always get it (they fetch the default folder first); the
 # tests and the bench only when the folder is there (without it, their Multi30k tests
 # skip, or fail under CI=true).
-execute site lab results-%: export ANNOTATED_TRANSFORMER_DATA := $(abspath $(DATA_DIR))
+execute execute-zh site lab results-%: export ANNOTATED_TRANSFORMER_DATA := $(abspath $(DATA_DIR))
 # Looked for when the recipe runs, not when make reads this file, so that
 # `make data test` hands the tests the folder `data` has just filled.
 WITH_DATA = if [ -d "$(DATA_DIR)" ]; then \
@@ -180,18 +181,34 @@ script: $(STAMP)
 EXECUTED := notebooks/the_annotated_transformer.executed.ipynb
 ZH_EXECUTED := notebooks/the_annotated_transformer.zh.executed.ipynb
 
-# Both notebooks, one after the other: the Chinese one runs the same code.
-execute: notebook $(NEEDS_DATA)
-	$(BIN)/jupyter nbconvert --to notebook --execute \
-		--ExecutePreprocessor.timeout=3600 --output $(notdir $(EXECUTED)) $(NOTEBOOK)
-	$(BIN)/jupyter nbconvert --to notebook --execute \
-		--ExecutePreprocessor.timeout=3600 --output $(notdir $(ZH_EXECUTED)) $(ZH_NOTEBOOK)
+# `make execute` runs the book (the English notebook), `make execute-zh` the Chinese
+# one: the same code cells, so the same minutes again. Each executed notebook is also
+# a file that is rebuilt when the book or the catalogue is newer than it, so that
+# `make html` never exports a stale run.
+CATALOGUE := translations/zh/the_annotated_transformer.po
+RUN_NOTEBOOK = $(BIN)/jupyter nbconvert --to notebook --execute \
+	--ExecutePreprocessor.timeout=3600 --output $(notdir $(1)) $(2)
 
-# One self-contained page beside each (notebooks/*.executed.html) that fetches
-# nothing: MathJax inlined, images embedded. `make site` uses the same exporter.
-# (One `make execute` when either is missing.)
-html: $(STAMP)
-	@test -f $(EXECUTED) -a -f $(ZH_EXECUTED) || $(MAKE) execute
+execute: notebook $(NEEDS_DATA)
+	$(call RUN_NOTEBOOK,$(EXECUTED),$(NOTEBOOK))
+
+execute-zh: notebook $(NEEDS_DATA)
+	$(call RUN_NOTEBOOK,$(ZH_EXECUTED),$(ZH_NOTEBOOK))
+
+$(EXECUTED) $(ZH_EXECUTED): export ANNOTATED_TRANSFORMER_DATA := $(abspath $(DATA_DIR))
+
+$(EXECUTED): $(BOOK) | $(NEEDS_DATA)
+	$(MAKE) notebook
+	$(call RUN_NOTEBOOK,$(EXECUTED),$(NOTEBOOK))
+
+$(ZH_EXECUTED): $(BOOK) $(CATALOGUE) | $(NEEDS_DATA)
+	$(MAKE) notebook
+	$(call RUN_NOTEBOOK,$(ZH_EXECUTED),$(ZH_NOTEBOOK))
+
+# One self-contained page beside each executed notebook (notebooks/*.executed.html)
+# that fetches nothing: MathJax inlined, images embedded. `make site` uses the same
+# exporter.
+html: $(STAMP) $(EXECUTED) $(ZH_EXECUTED)
 	$(VENV_PYTHON) tools/export_html.py $(EXECUTED)
 	$(VENV_PYTHON) tools/export_html.py --lang zh $(ZH_EXECUTED)
 

@@ -84,3 +84,45 @@ def test_make_test_is_the_quick_tier_and_make_check_everything_ci_runs(make, tmp
     script = (REPO_ROOT / ".ci" / "run").read_text(encoding="utf-8")
     commands = [line.strip() for line in script.splitlines()]
     assert commands[-1] == "make check"
+
+
+def test_make_html_runs_the_book_again_only_when_the_book_is_newer(tmp_path):
+    """The executed notebooks are files that depend on the book (and the Chinese one
+    on its catalogue): `make html` exports a stale run never, and a current one
+    without running it again. `make -n` prints what it would run."""
+    if shutil.which("make") is None:
+        pytest.skip("GNU make is not installed")
+    book, catalogue, stamp = (tmp_path / n for n in ("book.py", "zh.po", "stamp"))
+    executed, zh_executed = tmp_path / "en.ipynb", tmp_path / "zh.ipynb"
+
+    def planned():
+        done = subprocess.run(
+            [
+                "make",
+                "-n",
+                "--no-print-directory",
+                "html",
+                f"BOOK={book}",
+                f"CATALOGUE={catalogue}",
+                f"STAMP={stamp}",
+                "NEEDS_DATA=",
+                f"EXECUTED={executed}",
+                f"ZH_EXECUTED={zh_executed}",
+            ],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return [line for line in done.stdout.splitlines() if "nbconvert" in line]
+
+    for path in (book, stamp, catalogue, executed, zh_executed):
+        path.touch()
+    os.utime(book, (1, 1))  # older than both runs
+    assert planned() == []
+    os.utime(catalogue, None)  # the translation changed: the Chinese run is stale
+    os.utime(zh_executed, (2, 2))
+    (line,) = planned()
+    assert f"--output {zh_executed.name} " in line
+    os.utime(book, None)  # the book changed: both are stale
+    assert len(planned()) == 2
