@@ -192,6 +192,34 @@ def test_a_run_resumed_after_epoch_1_ends_where_an_uninterrupted_run_ends(
     assert resumed[1]["val_nll"] == uninterrupted[1]["val_nll"]
 
 
+def test_a_resume_reads_last_pt_once(smoke_run, multi30k_dir, tmp_path, monkeypatch):
+    """`train --resume` reads last.pt once: its settings, vocabularies, weights,
+    optimizer, schedule and record all come from that one read. (The run's last
+    epoch is recorded as one minute and the limit is one minute, so the resume
+    goes through all its set-up, then stops before an epoch.)"""
+    run = tmp_path / "run"
+    shutil.copytree(smoke_run.out, run)
+    last = checkpoints.load_checkpoint(run / "last.pt")
+    last["history"][-1]["seconds"] = 60.0
+    checkpoints.save_checkpoint(run / "last.pt", last)
+    real_load, reads = torch.load, []
+
+    def counting_load(f, *args, **kwargs):
+        if str(f) == str(run / "last.pt"):
+            reads.append(f)
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counting_load)
+    argv = ["train", "--data-dir", str(multi30k_dir), "--out", str(run), "--resume"]
+    assert cli.main([*argv, "--epochs", "3", "--time-limit", "1", "--quiet"]) == 0
+    assert len(reads) == 1
+    monkeypatch.undo()
+    assert (
+        "stopped after 2 of the 3"
+        in checkpoints.load_checkpoint(run / "last.pt")["stopped"]
+    )
+
+
 def test_a_checkpoint_write_that_dies_part_way_keeps_the_previous_one(
     tmp_path, monkeypatch
 ):

@@ -96,7 +96,17 @@ def last_epoch_seconds(history):
     return history[-1]["seconds"] if history else 0.0
 
 
-def resume_config(out_dir, **changes):
+def read_last(out_dir):
+    """The run's last.pt, read and checked to hold what resuming needs; a
+    FileNotFoundError or a DataError says what is wrong. A resume reads it once,
+    here, and hands it on."""
+    path = last_checkpoint(out_dir)
+    checkpoint = load_checkpoint(path)
+    check_resumable(checkpoint, path)
+    return checkpoint
+
+
+def resume_config(out_dir, checkpoint=None, **changes):
     """The settings of the run in `out_dir`, with the changes a resumed run may
     make (settings.RESUMABLE): more `epochs`, a `time_limit` for this
     invocation (the run's own is not kept: without one it trains to the end), and
@@ -104,11 +114,12 @@ def resume_config(out_dir, **changes):
     other change is refused: a resumed run continues the run it resumes. So is a
     resume that would train nothing: the run has finished its epochs, or this
     invocation's time limit is shorter than the run's last epoch, which
-    training.out_of_time expects the next one to take.
+    training.out_of_time expects the next one to take. `checkpoint` is the run's
+    last.pt as read_last returned it (None: read it here).
     """
-    path = last_checkpoint(out_dir)
-    checkpoint = load_checkpoint(path)
-    check_resumable(checkpoint, path)
+    path = Path(out_dir) / "last.pt"
+    if checkpoint is None:
+        checkpoint = read_last(out_dir)
     try:
         run = RunConfig.from_dict(checkpoint["config"]).to_dict()
     except (ValueError, TypeError) as error:  # a file's problem, not the options'

@@ -64,6 +64,7 @@ from workshop.run_folders import (
     check_run_folder,
     last_checkpoint,
     last_epoch_seconds,
+    read_last,
     refuse_existing_run,
     resume_config,
     save_epoch,
@@ -220,6 +221,9 @@ class Job:
     data_dir: Path
     out_dir: Path
     resume: bool = False  # continue the run in out_dir
+    # last.pt as this process read it, resuming (None in a spawned process: it
+    # reads its own)
+    checkpoint: dict | None = None
     quiet: bool = False
     vocabs: tuple | None = None  # (vocab_src, vocab_tgt), built once for every rank
     rank: int = 0
@@ -274,7 +278,9 @@ def restore(checkpoint, module, optimizer, scheduler, path="last.pt"):
 def train(job):
     """One process's part of the run `job` describes; returns the history."""
     config, say, device = job.config, job.say, job.device
-    checkpoint = load_checkpoint(job.out_dir / "last.pt") if job.resume else None
+    checkpoint = job.checkpoint
+    if job.resume and checkpoint is None:  # a spawned process reads its own
+        checkpoint = load_checkpoint(job.out_dir / "last.pt")
     vocabs = job.vocabs if checkpoint is None else vocabs_from_checkpoint(checkpoint)
     say(f"reading and tokenizing Multi30k from {job.data_dir} ...")
     data = prepare_run_data(config, job.data_dir, vocabs, check=False)
@@ -531,12 +537,14 @@ def train_model(
         check_run_data(config, data_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
     with hold_run_folder(out_dir) if writes else contextlib.nullcontext():
+        checkpoint = None
         if resume:  # read under the lock: last.pt as no other run will change it
-            config = resume_config(out_dir, **changes)
+            checkpoint = read_last(out_dir)
+            config = resume_config(out_dir, checkpoint, **changes)
             check_run_data(config, data_dir)
         else:
             refuse_existing_run(out_dir, advice)  # one begun since the check above
-        job = Job(config, data_dir, out_dir, resume, quiet, device=device)
+        job = Job(config, data_dir, out_dir, resume, checkpoint, quiet, device=device)
         return _train_processes(job, nprocs, torchrun)
 
 
@@ -551,11 +559,13 @@ def _train_processes(job, nprocs, torchrun):
     if nprocs == 1:
         return train_worker(0, 1, job)
     # Build the vocabularies here, once (the data was checked): every rank gets the
-    # same ones.
+    # same ones. Each process reads last.pt itself: tensors sent to the processes
+    # would be shared between them, one optimizer state updated by all.
     vocabs = None
-    if job.resume:
-        vocabs = vocabs_from_checkpoint(load_checkpoint(job.out_dir / "last.pt"))
+    if job.checkpoint is not None:
+        vocabs = vocabs_from_checkpoint(job.checkpoint)
     job.say(f"building the vocabularies from {job.data_dir} ...")
-    job = replace(job, vocabs=vocabs or build_vocabs(job.config, job.data_dir))
+    vocabs = vocabs or build_vocabs(job.config, job.data_dir)
+    job = replace(job, vocabs=vocabs, checkpoint=None)
     spawn(train_worker, nprocs, job, on_cpu=device_for(0, device).type == "cpu")
     return load_checkpoint(job.out_dir / "last.pt")["history"]
