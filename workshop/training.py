@@ -275,12 +275,105 @@ def restore(checkpoint, module, optimizer, scheduler, path="last.pt"):
     )
 
 
+@dataclass
+class Run:
+    """One process's part of a run, set up: its settings (with the epochs a FLOP
+    budget buys), data, model and what trains it, and where the run stands."""
+
+    config: RunConfig
+    data: object  # prepare_run_data's
+    module: torch.nn.Module  # the book's model, whose weights are saved
+    model: torch.nn.Module  # what trains it (under DDP, autocast)
+    evaluated: torch.nn.Module  # what evaluates it
+    loss_compute: object  # a StepLog in the main process of a run that is not quiet
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    sampler: ShardedBatchSampler  # this process's training batches
+    val_sampler: TokenBudgetBatchSampler
+    epoch_flops: float  # the training FLOPs of one epoch
+    train_state: TrainState
+    start_epoch: int  # the first epoch to train, 0-based
+    history: list  # the per-epoch records, earlier invocations' first
+    spent: float  # seconds the run's earlier invocations spent
+    did: dict | None  # what the run did, for its checkpoints (written by rank 0)
+    checkpoint: dict | None  # last.pt as the run resumed from it; None: a new run
+
+
 def train(job):
     """One process's part of the run `job` describes; returns the history."""
+    run = set_up(job)
+    began = time.perf_counter()  # this invocation's clock, which the time limit reads
+    # How long the next epoch is expected to take: for a new run nothing yet (its
+    # first epoch always starts), for a resumed one the run's last epoch.
+    epoch_seconds = last_epoch_seconds(run.history)
+    last = run.checkpoint  # what last.pt holds: marked if the time limit stops the run
+    for epoch in range(run.start_epoch, run.config.epochs):
+        if out_of_time(job, began, epoch_seconds):
+            stop_for_time(job, run.config, epoch, last)
+            break
+        last, epoch_seconds = train_epoch(job, run, epoch, began)
+    if job.rank == 0 and last is not None:
+        print(saved_line(job.out_dir, last, run.config.epochs, began))
+    return run.history
+
+
+def set_up(job):
+    """Set up this process's part of the run `job` describes, new or resumed (from
+    job.checkpoint, or from last.pt read here in a spawned process), saying what
+    it sets up; returns the Run."""
     config, say, device = job.config, job.say, job.device
     checkpoint = job.checkpoint
     if job.resume and checkpoint is None:  # a spawned process reads its own
         checkpoint = load_checkpoint(job.out_dir / "last.pt")
+    data = data_for_run(job, checkpoint)
+    torch.manual_seed(config.seed)
+    sizes = len(data.vocab_src), len(data.vocab_tgt)
+    module = make_run_model(config, *sizes).to(device)  # the book's model, trained
+    config, epoch_flops = budgeted_epochs(config, module, data, checkpoint, say)
+    sampler = ShardedBatchSampler(
+        data.lengths("train"),
+        config.max_tokens,
+        seed=config.seed,
+        num_replicas=job.world_size,
+        rank=job.rank,
+    )
+    optimizer, scheduler = optimizer_for_run(config, module, len(sampler))
+    progress = progress_so_far(job, config, checkpoint, module, optimizer, scheduler)
+    train_state, start_epoch, history, spent = progress
+    say(f"model: {count_parameters(module):,} parameters")
+    amp = run_precision(checkpoint, config, device, say, job.distributed)
+    use_tf32(device, say)
+    did = what_it_did(job, amp, checkpoint, start_epoch)
+    model, evaluated = models_for_run(module, amp, job.distributed, device)
+    loss_compute = logged_loss_compute(job, config, module, amp, optimizer, train_state)
+    val_sampler = TokenBudgetBatchSampler(
+        data.lengths("val"), config.max_tokens, shuffle=False
+    )
+    return Run(
+        config=config,
+        data=data,
+        module=module,
+        model=model,
+        evaluated=evaluated,
+        loss_compute=loss_compute,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        sampler=sampler,
+        val_sampler=val_sampler,
+        epoch_flops=epoch_flops,
+        train_state=train_state,
+        start_epoch=start_epoch,
+        history=history,
+        spent=spent,
+        did=did,
+        checkpoint=checkpoint,
+    )
+
+
+def data_for_run(job, checkpoint):
+    """The run's data, with the vocabularies of `checkpoint` (a resumed run) or of
+    the job (a new one: None builds them), saying what it holds and what was cut."""
+    config, say, device = job.config, job.say, job.device
     vocabs = job.vocabs if checkpoint is None else vocabs_from_checkpoint(checkpoint)
     say(f"reading and tokenizing Multi30k from {job.data_dir} ...")
     data = prepare_run_data(config, job.data_dir, vocabs, check=False)
@@ -293,9 +386,13 @@ def train(job):
     for split, n in (data.cut or {}).items():
         if n:
             say(f"{split}: {n} pairs longer than max_len={config.max_len} ids were cut")
-    torch.manual_seed(config.seed)
-    sizes = len(data.vocab_src), len(data.vocab_tgt)
-    module = make_run_model(config, *sizes).to(device)  # the book's model, trained
+    return data
+
+
+def budgeted_epochs(config, module, data, checkpoint, say):
+    """(config, the training FLOPs of one epoch): a new run with a FLOP budget
+    gets the epochs it buys, said in one line; any other config is returned as it
+    is."""
     epoch_flops = training_flops(
         module,
         data.batches(
@@ -312,15 +409,14 @@ def train(job):
             f"{epoch_flops:,.0f}, so {epochs} epochs, {epochs * epoch_flops:,.0f} FLOPs"
         )
         config = replace(config, epochs=epochs)
-    sampler = ShardedBatchSampler(
-        data.lengths("train"),
-        config.max_tokens,
-        seed=config.seed,
-        num_replicas=job.world_size,
-        rank=job.rank,
-    )
-    steps = config.epochs * math.ceil(len(sampler) / config.accum_iter)
-    optimizer, scheduler = make_optimizer(
+    return config, epoch_flops
+
+
+def optimizer_for_run(config, module, batches):
+    """The book's Adam and learning-rate schedule for `module`, the schedule
+    planned over the run's optimizer steps (`batches` micro-batches an epoch)."""
+    steps = config.epochs * math.ceil(batches / config.accum_iter)
+    return make_optimizer(
         module,
         config.base_lr,
         config.d_model,
@@ -329,104 +425,133 @@ def train(job):
         total_steps=steps,
         cooldown=config.cooldown,
     )
-    train_state, start_epoch, history, spent = TrainState(), 0, [], 0.0
-    if checkpoint is not None:
-        progress = restore(
-            checkpoint, module, optimizer, scheduler, job.out_dir / "last.pt"
-        )
-        train_state, start_epoch, history, spent = progress
-        say(
-            f"resuming {job.out_dir / 'last.pt'} (profile {config.profile}): "
-            f"{start_epoch} of {config.epochs} epochs done, {spent / 60:.1f} min spent"
-        )
-    say(f"model: {count_parameters(module):,} parameters")
-    amp = run_precision(checkpoint, config, device, say, job.distributed)
-    use_tf32(device, say)
-    did = None  # what the run did, for its checkpoints (written by rank 0)
-    if job.rank == 0:
-        earlier = [] if checkpoint is None else checkpoint.get("provenance", [])
-        did = {
-            "precision": precision_name(amp),
-            "provenance": [*earlier, invocation(device, start_epoch + 1)],
-        }
-    model, evaluated = models_for_run(module, amp, job.distributed, device)
-    criterion = fast.LabelSmoothing(len(data.vocab_tgt), PAD, config.label_smoothing)
+
+
+def progress_so_far(job, config, checkpoint, module, optimizer, scheduler):
+    """(TrainState, first epoch to train, history, seconds spent): a new run's
+    start, or, resuming, what `checkpoint` holds, restored into the model,
+    optimizer and schedule and said in one line."""
+    if checkpoint is None:
+        return TrainState(), 0, [], 0.0
+    progress = restore(
+        checkpoint, module, optimizer, scheduler, job.out_dir / "last.pt"
+    )
+    _, start_epoch, _, spent = progress
+    job.say(
+        f"resuming {job.out_dir / 'last.pt'} (profile {config.profile}): "
+        f"{start_epoch} of {config.epochs} epochs done, {spent / 60:.1f} min spent"
+    )
+    return progress
+
+
+def logged_loss_compute(job, config, module, amp, optimizer, train_state):
+    """The run's loss computation: the book's label-smoothed loss over the target
+    vocabulary (under autocast and DDP where the run has them), in the StepLog
+    that writes the training log in the main process of a run that is not quiet."""
+    vocab_size = module.generator.proj.out_features
+    criterion = fast.LabelSmoothing(vocab_size, PAD, config.label_smoothing)
     loss_compute = loss_compute_for_run(
         module.generator, criterion, amp, job.distributed
     )
     if job.rank == 0 and not job.quiet:  # the main process writes the log
         loss_compute = StepLog(
-            loss_compute, optimizer, train_state, config.log_every, say
+            loss_compute, optimizer, train_state, config.log_every, job.say
         )
-    val_sampler = TokenBudgetBatchSampler(
-        data.lengths("val"), config.max_tokens, shuffle=False
+    return loss_compute
+
+
+def what_it_did(job, amp, checkpoint, start_epoch):
+    """The record the run's checkpoints keep of what it did: its precision, and its
+    invocations (those of `checkpoint`, and this one's from epoch start_epoch + 1).
+    None outside the main process, which alone writes checkpoints."""
+    if job.rank != 0:
+        return None
+    earlier = [] if checkpoint is None else checkpoint.get("provenance", [])
+    return {
+        "precision": precision_name(amp),
+        "provenance": [*earlier, invocation(job.device, start_epoch + 1)],
+    }
+
+
+def stop_for_time(job, config, epoch, last):
+    """Say that the time limit stops the run before epoch `epoch` (0-based), and
+    how to continue it; the main process marks last.pt (`last`, what it holds, None
+    when nothing was saved) with that line."""
+    stop = (
+        f"time limit: {config.time_limit:g} minutes would pass during epoch "
+        f"{epoch + 1}; stopped after {epoch} of the {config.epochs} epochs."
     )
-    began = time.perf_counter()  # this invocation's clock, which the time limit reads
-    # How long the next epoch is expected to take: for a new run nothing yet (its
-    # first epoch always starts), for a resumed one the run's last epoch.
-    epoch_seconds = last_epoch_seconds(history)
-    last = checkpoint  # what last.pt holds: marked if the time limit stops the run
-    for epoch in range(start_epoch, config.epochs):
-        if out_of_time(job, began, epoch_seconds):
-            stop = (
-                f"time limit: {config.time_limit:g} minutes would pass during epoch "
-                f"{epoch + 1}; stopped after {epoch} of the {config.epochs} epochs."
-            )
-            resume = shlex.join(
-                ["python", "-m", "workshop", "train", "--resume"]
-                + ["--data-dir", str(job.data_dir), "--out", str(job.out_dir)]
-            )
-            say(
-                f"{stop} Continue with `{resume}`: the limit guards one invocation, "
-                "so it trains to the end (--time-limit MINUTES sets a limit of its "
-                "own)."
-            )
-            if job.rank == 0 and last is not None:
-                save_checkpoint(job.out_dir / "last.pt", last | {"stopped": stop})
-            break
-        epoch_began = time.perf_counter()
-        sampler.set_epoch(epoch)
-        torch.manual_seed(epoch_seed(config.seed, epoch, job.rank))
-        say(f"epoch {epoch + 1}/{config.epochs}: {len(sampler)} batches per process")
-        if isinstance(loss_compute, StepLog):
-            loss_compute.start(len(sampler), train_state)
-        tokens_before = train_state.tokens
-        if job.distributed:
-            model.plan_epoch(len(sampler), config.accum_iter)
-        train_loss, train_state = run_epoch(
-            tat.on_device(data.batches("train", sampler), device),
-            model,
-            loss_compute,
-            optimizer,
-            scheduler,
-            mode="train",  # the main process's StepLog writes the log
-            accum_iter=config.accum_iter,
-            train_state=train_state,
-            log_every=config.log_every,
-        )
-        seconds = time.perf_counter() - epoch_began
-        val_nll, _ = run_epoch(
-            tat.on_device(data.batches("val", val_sampler), device),
-            evaluated,
-            loss_compute,
-            mode="eval",
-        )
-        tokens = (train_state.tokens - tokens_before) * job.world_size
-        record = epoch_record(epoch, train_loss, val_nll, seconds, tokens, say)
-        history.append(record | {"training_flops": epoch_flops})
-        if job.rank == 0:
-            progress = {
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "train_state": asdict(train_state),
-                "history": history,
-                "elapsed": spent + time.perf_counter() - began,  # every invocation's
-            }
-            last = save_epoch(job.out_dir, config, data, module, epoch, progress, did)
-        epoch_seconds = time.perf_counter() - epoch_began
+    resume = shlex.join(
+        ["python", "-m", "workshop", "train", "--resume"]
+        + ["--data-dir", str(job.data_dir), "--out", str(job.out_dir)]
+    )
+    job.say(
+        f"{stop} Continue with `{resume}`: the limit guards one invocation, "
+        "so it trains to the end (--time-limit MINUTES sets a limit of its "
+        "own)."
+    )
     if job.rank == 0 and last is not None:
-        print(saved_line(job.out_dir, last, config.epochs, began))
-    return history
+        save_checkpoint(job.out_dir / "last.pt", last | {"stopped": stop})
+
+
+def train_epoch(job, run, epoch, began):
+    """Train epoch `epoch` (0-based), evaluate it and add its record to
+    run.history; the main process saves it (save_epoch). Returns (what last.pt
+    now holds, None outside the main process; the seconds all that took). `began`
+    is when this invocation began."""
+    config, device = run.config, job.device
+    epoch_began = time.perf_counter()
+    run.sampler.set_epoch(epoch)
+    torch.manual_seed(epoch_seed(config.seed, epoch, job.rank))
+    job.say(
+        f"epoch {epoch + 1}/{config.epochs}: {len(run.sampler)} batches per process"
+    )
+    if isinstance(run.loss_compute, StepLog):
+        run.loss_compute.start(len(run.sampler), run.train_state)
+    tokens_before = run.train_state.tokens
+    if job.distributed:
+        run.model.plan_epoch(len(run.sampler), config.accum_iter)
+    train_loss, run.train_state = run_epoch(
+        tat.on_device(run.data.batches("train", run.sampler), device),
+        run.model,
+        run.loss_compute,
+        run.optimizer,
+        run.scheduler,
+        mode="train",  # the main process's StepLog writes the log
+        accum_iter=config.accum_iter,
+        train_state=run.train_state,
+        log_every=config.log_every,
+    )
+    seconds = time.perf_counter() - epoch_began
+    val_nll, _ = run_epoch(
+        tat.on_device(run.data.batches("val", run.val_sampler), device),
+        run.evaluated,
+        run.loss_compute,
+        mode="eval",
+    )
+    tokens = (run.train_state.tokens - tokens_before) * job.world_size
+    record = epoch_record(epoch, train_loss, val_nll, seconds, tokens, job.say)
+    run.history.append(record | {"training_flops": run.epoch_flops})
+    last = None
+    if job.rank == 0:
+        progress = progress_to_save(run, began)
+        last = save_epoch(
+            job.out_dir, config, run.data, run.module, epoch, progress, run.did
+        )
+    return last, time.perf_counter() - epoch_began
+
+
+def progress_to_save(run, began):
+    """What last.pt keeps besides the epoch's checkpoint, for a resume: the
+    optimizer, the schedule, the loop's counters, the history and the seconds
+    every invocation has spent (this one's since `began`)."""
+    return {
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "train_state": asdict(run.train_state),
+        "history": run.history,
+        "elapsed": run.spent + time.perf_counter() - began,
+    }
 
 
 def saved_line(out_dir, last, epochs, began):
