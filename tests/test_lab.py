@@ -497,16 +497,24 @@ def test_the_chinese_notebook_opens_in_jupyterlab_in_a_cjk_font(
 
     committed = nbformat.read(REPO_ROOT / ZH_NOTEBOOK, as_version=4)
     title = committed.cells[0].source.partition("\n")[0].removeprefix("# ")
-    cell = "document.querySelectorAll('.jp-Notebook .jp-Cell')"
+    # A workspace of its own: the default one would restore the English notebook
+    # that the tests above opened, beside this one.
+    url = lab["url"].replace(
+        f"/lab/tree/{NOTEBOOK}", f"/lab/workspaces/zh-edition/tree/{ZH_NOTEBOOK}"
+    )
+    notebook = "document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)')"
     with Browser(chromium, CHROMIUM_FLAGS, tmp_path / "profile") as tab:
-        tab.open(lab["url"].replace(NOTEBOOK, ZH_NOTEBOOK), timeout=120)
-        tab.wait_for(f"{cell}.length === {len(committed.cells)}", timeout=120)
-        heading = "document.querySelector('.jp-Notebook .jp-Cell h1')?.textContent"
+        tab.open(url, timeout=120)
+        cells = f"{notebook}?.querySelectorAll('.jp-Cell').length"
+        tab.wait_for(f"{cells} === {len(committed.cells)}", timeout=120)
+        heading = f"{notebook}.querySelector('.jp-Cell h1')?.textContent"
         shown = tab.wait_for(heading, timeout=60, message="no title in the page")
         assert shown.rstrip("¶") == title
-        rendered = "document.querySelectorAll('.jp-MarkdownCell .jp-RenderedMarkdown')"
+        panels = "document.querySelectorAll('.jp-NotebookPanel').length"
+        assert tab.evaluate(panels) == 1  # the Chinese notebook alone
+        rendered = f"{notebook}.querySelectorAll('.jp-RenderedMarkdown').length"
         markdown = sum(c.cell_type == "markdown" for c in committed.cells)
-        tab.wait_for(f"{rendered}.length === {markdown}", timeout=60)
+        tab.wait_for(f"{rendered} === {markdown}", timeout=60)
         elements, outside = tab.drawn_outside(CJK_FONTS, script="Han")
     assert outside == []
     assert elements >= 300
