@@ -40,68 +40,30 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _positive_int(text):
-    """argparse type: a whole number of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(
-            f"must be a whole number of at least 1, got {text!r}"
-        )
-    return value
+def _number(kind, holds, what):
+    """An argparse type: `kind(text)` when `holds` of it, else an error saying that
+    the value must be `what` (text that is no number at all fails the same way)."""
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = math.nan
+        if not holds(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _positive_float(text):
-    """argparse type: a number above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text!r}")
-    return value
-
-
-def _finite_positive(text):
-    """argparse type: a finite number above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(
-            f"must be a finite number above 0, got {text!r}"
-        )
-    return value
-
-
-def _probability(text):
-    """argparse type: a number above 0 and at most 1."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(
-            f"must be a number above 0 and at most 1, got {text!r}"
-        )
-    return value
-
-
-def _alpha(text):
-    """argparse type: beam search's length-penalty exponent, a finite number of
-    at least 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(
-            f"alpha must be a finite number >= 0, got {text!r}"
-        )
-    return value
+_positive_int = _number(int, lambda n: n >= 1, "a whole number of at least 1")
+_positive_float = _number(float, lambda x: x > 0, "a number above 0")
+_finite_positive = _number(
+    float, lambda x: math.isfinite(x) and x > 0, "a finite number above 0"
+)
+_probability = _number(float, lambda p: 0 < p <= 1, "a number above 0 and at most 1")
+# Beam search's length-penalty exponent.
+_alpha = _number(float, lambda a: math.isfinite(a) and a >= 0, "a finite number >= 0")
 
 
 def _device(text):
