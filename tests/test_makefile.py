@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(
+    shutil.which("make") is None, reason="GNU make is not installed"
+)
 
 # Answers `-m workshop download --data-dir DIR` by making DIR, as the downloader
 # would; every call is written to the log with the data folder the tests would see.
@@ -21,8 +24,6 @@ if [ "$1 $2 $3" = "-m workshop download" ]; then mkdir -p "$5"; fi
 
 @pytest.fixture
 def make(tmp_path):
-    if shutil.which("make") is None:
-        pytest.skip("GNU make is not installed")
     python = tmp_path / "python"
     python.write_text(STAND_IN)
     python.chmod(0o755)
@@ -90,8 +91,6 @@ def test_make_html_runs_the_book_again_only_when_the_book_is_newer(tmp_path):
     """The executed notebooks are files that depend on the book (and the Chinese one
     on its catalogue): `make html` exports a stale run never, and a current one
     without running it again. `make -n` prints what it would run."""
-    if shutil.which("make") is None:
-        pytest.skip("GNU make is not installed")
     book, catalogue, stamp = (tmp_path / n for n in ("book.py", "zh.po", "stamp"))
     executed, zh_executed = tmp_path / "en.ipynb", tmp_path / "zh.ipynb"
 
