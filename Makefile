@@ -55,7 +55,7 @@ ALLOW_MISSING ?=
 
 .DEFAULT_GOAL := run
 .PHONY: setup setup-run setup-lab setup-colab run test check data notebook translations sync script \
-	execute execute-zh html site lab figures bench multi30k lint format clean
+	execute execute-zh html site lab figures bench multi30k lint format clean FORCE
 
 # The notebook, the commands and the tests find Multi30k through this variable. The
 # targets that read the data always get it (they fetch the default folder first); the
@@ -189,21 +189,20 @@ CATALOGUE := translations/zh/the_annotated_transformer.po
 RUN_NOTEBOOK = $(BIN)/jupyter nbconvert --to notebook --execute \
 	--ExecutePreprocessor.timeout=3600 --output $(notdir $(1)) $(2)
 
-execute: notebook $(NEEDS_DATA)
-	$(call RUN_NOTEBOOK,$(EXECUTED),$(NOTEBOOK))
-
-execute-zh: notebook $(NEEDS_DATA)
-	$(call RUN_NOTEBOOK,$(ZH_EXECUTED),$(ZH_NOTEBOOK))
-
+# One rule for both: the executed notebook beside its source notebook. `make execute`
+# and `make execute-zh` always run it again (the profile may have changed); `make html`
+# only when the book or the catalogue is newer than the executed file.
+$(EXECUTED): $(BOOK)
+$(ZH_EXECUTED): $(BOOK) $(CATALOGUE)
 $(EXECUTED) $(ZH_EXECUTED): export ANNOTATED_TRANSFORMER_DATA := $(abspath $(DATA_DIR))
-
-$(EXECUTED): $(BOOK) | $(NEEDS_DATA)
+$(EXECUTED) $(ZH_EXECUTED): $(if $(filter execute execute-zh,$(MAKECMDGOALS)),FORCE) \
+		| $(STAMP) $(NEEDS_DATA)
 	$(MAKE) notebook
-	$(call RUN_NOTEBOOK,$(EXECUTED),$(NOTEBOOK))
+	$(call RUN_NOTEBOOK,$@,$(@:.executed.ipynb=.ipynb))
 
-$(ZH_EXECUTED): $(BOOK) $(CATALOGUE) | $(NEEDS_DATA)
-	$(MAKE) notebook
-	$(call RUN_NOTEBOOK,$(ZH_EXECUTED),$(ZH_NOTEBOOK))
+execute: $(EXECUTED)
+execute-zh: $(ZH_EXECUTED)
+FORCE:
 
 # One self-contained page beside each executed notebook (notebooks/*.executed.html)
 # that fetches nothing: MathJax inlined, images embedded. `make site` uses the same
