@@ -7,7 +7,8 @@ repository's address is written once (pyproject.toml, read by tools/repository.p
 and every link is derived from it. The last tests run the notebook alone in
 .venv-colab, which holds Colab's versions (requirements-colab.txt; `make
 setup-colab`, which .ci/run runs). The Chinese edition (issue 37) has the same
-button and the same tests: each test of a notebook runs on both.
+button and the same tests of links and figures; its run is the English one's, since
+it runs the same code cells (the last test checks that).
 """
 
 import json
@@ -196,89 +197,53 @@ def test_the_books_results_table_is_the_committed_runs():
 
 @pytest.fixture(scope="module")
 def run_alone(multi30k_dir, tmp_path_factory):
-    """Run a committed notebook copied alone into an empty folder, in .venv-colab
-    (the smoke profile, the data folder given), once per notebook; returns
-    (the runner's result, the executed notebook, the folder)."""
+    """The committed book notebook copied alone into an empty folder and run in
+    .venv-colab (the smoke profile, the data folder given); returns (the runner's
+    result, the executed notebook, the folder)."""
     if not COLAB_PYTHON.is_file():
         skip_or_fail_in_ci(os.environ, "no .venv-colab: `make setup-colab` makes it")
-    done = {}
-
-    def run(notebook):
-        if notebook in done:
-            return done[notebook]
-        tmp_path = tmp_path_factory.mktemp("colab")
-        alone = tmp_path / "alone"
-        alone.mkdir()
-        name = Path(notebook).name
-        shutil.copy(REPO_ROOT / notebook, alone / name)
-        runner = (
-            "import nbformat, sys, numpy, pandas, altair, torch\n"
-            "from nbclient import NotebookClient\n"
-            "print('versions:', sys.version.split()[0], torch.__version__,"
-            " numpy.__version__, pandas.__version__, altair.__version__)\n"
-            f"nb = nbformat.read({name!r}, as_version=4)\n"
-            "NotebookClient(nb, timeout=900, kernel_name='python3').execute()\n"
-            "nbformat.write(nb, 'executed.ipynb')\n"
-        )
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("JUPYTER", "PYTHONPATH", "VIRTUAL_ENV"))
-        }
-        env.update(
-            ANNOTATED_TRANSFORMER_PROFILE="smoke",
-            ANNOTATED_TRANSFORMER_DATA=str(multi30k_dir),
-            JUPYTER_DATA_DIR=str(tmp_path / "jupyter"),  # no user kernel in the way
-            JUPYTER_CONFIG_DIR=str(tmp_path / "jupyter-config"),
-            IPYTHONDIR=str(tmp_path / "ipython"),
-        )
-        result = subprocess.run(
-            [str(COLAB_PYTHON), "-c", runner],
-            cwd=alone,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=1500,
-            check=False,
-        )
-        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-        executed = nbformat.read(alone / "executed.ipynb", as_version=4)
-        done[notebook] = result, executed, alone
-        return done[notebook]
-
-    return run
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1800)  # the whole book, smoke profile: minutes on 2 cores
-@pytest.mark.parametrize("notebook", NOTEBOOKS)
-def test_the_notebook_alone_runs_top_to_bottom_on_colabs_versions(notebook, run_alone):
-    """The committed notebook (the book, or its Chinese edition) copied into an
-    empty folder and run in .venv-colab: no cell fails, the setup cell finds nothing
-    to install, and the Results table is in the notebook."""
-    result, executed, alone = run_alone(notebook)
-    assert "versions: " in result.stdout and " 2.1.3 2.2.3 5.5.0" in result.stdout
-    outputs = [o for c in executed.cells for o in c.get("outputs", [])]
-    assert not [o for o in outputs if o.output_type == "error"]
-    printed = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
-    assert "installing what this Python lacks" not in printed
-    assert "test 2016, greedy:" in printed  # Part 5 scored the notebook's own model
-    markdown = "\n".join(c.source for c in executed.cells if c.cell_type == "markdown")
-    if notebook == NOTEBOOK:
-        table = results_table.results_lines()[:3]
-        assert "\n".join(table) in markdown
-    else:  # the table's words are translated, its numbers are the run's
-        record = json.loads((REPO_ROOT / "results" / "multi30k.json").read_text())
-        assert f"| {record['test_greedy']['bleu']:.2f} |" in markdown
-    # Nothing was written beside the notebook but what the runner wrote.
-    assert sorted(p.name for p in alone.iterdir()) == sorted(
-        ["executed.ipynb", Path(notebook).name]
+    tmp_path = tmp_path_factory.mktemp("colab")
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    name = Path(NOTEBOOK).name
+    shutil.copy(REPO_ROOT / NOTEBOOK, alone / name)
+    runner = (
+        "import nbformat, sys, numpy, pandas, altair, torch\n"
+        "from nbclient import NotebookClient\n"
+        "print('versions:', sys.version.split()[0], torch.__version__,"
+        " numpy.__version__, pandas.__version__, altair.__version__)\n"
+        f"nb = nbformat.read({name!r}, as_version=4)\n"
+        "NotebookClient(nb, timeout=900, kernel_name='python3').execute()\n"
+        "nbformat.write(nb, 'executed.ipynb')\n"
     )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("JUPYTER", "PYTHONPATH", "VIRTUAL_ENV"))
+    }
+    env.update(
+        ANNOTATED_TRANSFORMER_PROFILE="smoke",
+        ANNOTATED_TRANSFORMER_DATA=str(multi30k_dir),
+        JUPYTER_DATA_DIR=str(tmp_path / "jupyter"),  # no user kernel in the way
+        JUPYTER_CONFIG_DIR=str(tmp_path / "jupyter-config"),
+        IPYTHONDIR=str(tmp_path / "ipython"),
+    )
+    result = subprocess.run(
+        [str(COLAB_PYTHON), "-c", runner],
+        cwd=alone,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result, nbformat.read(alone / "executed.ipynb", as_version=4), alone
 
 
 def output_kinds(cell):
     """What a code cell showed, by kind: each output's type, with its stream's
-    name or its data's MIME types (text differs from run to run; kinds do not)."""
+    name or its data's MIME types."""
     kinds = set()
     for output in cell.get("outputs", []):
         if output.output_type == "stream":
@@ -287,21 +252,60 @@ def output_kinds(cell):
             kinds.add((output.output_type, tuple(sorted(output.data))))
         else:
             kinds.add((output.output_type,))
-    return sorted(kinds)
+    return kinds
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)  # both notebooks, when the tests above did not run them
-def test_the_chinese_notebook_alone_shows_the_english_ones_kinds_of_output(run_alone):
-    """Issue 37's acceptance: the Chinese notebook runs top to bottom with every
-    output identical in kind to the English one's, cell for cell."""
-    (_, english, _), (_, chinese, _) = run_alone(NOTEBOOK), run_alone(ZH_NOTEBOOK)
-    code = [[c for c in nb.cells if c.cell_type == "code"] for nb in (english, chinese)]
-    assert [c.source for c in code[0]] == [c.source for c in code[1]]
-    kinds = [[output_kinds(c) for c in cells] for cells in code]
-    assert kinds[1] == kinds[0]
-    # Not two empty runs: the book printed numbers and drew charts (a Vega-Lite
-    # spec with its PNG, ChartOutput's bundle), and the Chinese one the same.
-    shown = {kind for cell in kinds[0] for kind in cell}
+@pytest.mark.timeout(1800)  # the whole book, smoke profile: minutes on 2 cores
+def test_the_notebook_alone_runs_top_to_bottom_on_colabs_versions(run_alone):
+    """The committed notebook copied into an empty folder and run in .venv-colab: no
+    cell fails, the setup cell finds nothing to install, it printed numbers and drew
+    charts, and the Results table is in the notebook."""
+    result, executed, alone = run_alone
+    assert "versions: " in result.stdout and " 2.1.3 2.2.3 5.5.0" in result.stdout
+    outputs = [o for c in executed.cells for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.output_type == "error"]
+    printed = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "installing what this Python lacks" not in printed
+    assert "test 2016, greedy:" in printed  # Part 5 scored the notebook's own model
+    # Not an empty run: numbers printed, and charts drawn (a Vega-Lite spec with its
+    # PNG, ChartOutput's bundle).
+    shown = set().union(*(output_kinds(c) for c in executed.cells))
     chart = ("application/vnd.vegalite.v5+json", "image/png", "text/plain")
     assert ("stream", "stdout") in shown and ("execute_result", chart) in shown
+    markdown = "\n".join(c.source for c in executed.cells if c.cell_type == "markdown")
+    assert "\n".join(results_table.results_lines()[:3]) in markdown
+    # Nothing was written beside the notebook but what the runner wrote.
+    assert sorted(p.name for p in alone.iterdir()) == sorted(
+        ["executed.ipynb", Path(NOTEBOOK).name]
+    )
+
+
+def what_runs(notebook):
+    """Everything of a notebook that decides what running it does: its kernel and
+    language, and each code cell's source and tags (nbclient reads the tags
+    `skip-execution` and `raises-exception`), in order. Markdown never runs."""
+    nb = nbformat.read(REPO_ROOT / notebook, as_version=4)
+    nbformat.validate(nb)
+    kernel = nb.metadata.get("kernelspec"), nb.metadata.get("language_info")
+    cells = [
+        (c.source, c.metadata.get("tags", []))
+        for c in nb.cells
+        if c.cell_type == "code"
+    ]
+    return kernel, cells
+
+
+def test_the_chinese_notebook_runs_as_the_english_one_run_alone_above():
+    """Issue 37: the Chinese notebook runs alone on Colab's versions, top to bottom,
+    with the English one's outputs. A run executes the code cells alone, in order,
+    in the kernel the metadata names: those are the English notebook's, so its run
+    is the run the test above makes (a second run would repeat it to the byte of
+    code, for minutes). Its prose is its own, with the committed run's numbers."""
+    english, chinese = what_runs(NOTEBOOK), what_runs(ZH_NOTEBOOK)
+    assert len(chinese[1]) == len(english[1]) > 50
+    assert chinese == english
+    zh = nbformat.read(REPO_ROOT / ZH_NOTEBOOK, as_version=4)
+    markdown = "\n".join(c.source for c in zh.cells if c.cell_type == "markdown")
+    record = json.loads((REPO_ROOT / "results" / "multi30k.json").read_text())
+    assert f"| {record['test_greedy']['bleu']:.2f} |" in markdown
