@@ -5,8 +5,8 @@ and need no data. The attention tests run a trained model: a smoke-profile model
 300 Multi30k pairs (a few seconds), found through $ANNOTATED_TRANSFORMER_DATA:
 without it they are skipped on a laptop, but fail in CI (CI=true). The workshop's
 side (averaging checkpoint files, evaluate, reproduce and their commands) is tested
-in tests/test_workshop_checkpoints.py, tests/test_workshop_results.py and
-tests/test_cli.py.
+in tests/test_workshop_checkpoints.py, tests/test_workshop_scoring.py,
+tests/test_workshop_reproduce.py, tests/test_workshop_reports.py and tests/test_cli.py.
 """
 
 import copy
