@@ -20,6 +20,8 @@ import the_annotated_transformer as tat
 VOCAB = 11
 PAD = 0
 TINY = {"N": 1, "d_model": 16, "d_ff": 32, "h": 2, "dropout": 0.0}
+U32 = 2.0**-24  # float32's unit roundoff: one rounding errs by at most this, relative
+U64 = 2.0**-53  # float64's
 
 
 def tiny_model(**overrides):
@@ -191,7 +193,7 @@ def adam(model):
     return torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
-def assert_same_parameters(got, want, atol=1e-5):
+def assert_same_parameters(got, want, atol):
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=atol, rtol=0, msg=name)
@@ -214,7 +216,7 @@ def test_accumulating_k_equal_micro_batches_equals_one_big_batch_under_sgd():
     # And the step was not a no-op.
     start = dict(tiny_model().named_parameters())
     moved = max((whole[n] - start[n]).abs().max().item() for n in start)
-    assert moved > 1e-3
+    assert moved > 1e-3  # 10,000 times the tolerance above: a real step was compared
 
 
 def test_accumulating_micro_batches_of_different_token_counts_equals_one_big_batch():
@@ -271,10 +273,10 @@ def test_25_batches_with_accum_iter_10_step_three_times_and_leave_no_gradient():
 def test_the_last_partial_group_is_stepped_with_its_own_mean_gradient():
     """5 micro-batches, accum_iter=3: the final group of 2 equals one batch of both."""
     micro = [random_batch(3, 7, [0, 2, 4], seed=s) for s in range(20, 25)]
-    model = tiny_model()
+    model = tiny_model().double()  # so that rounding is as FLOAT64_ACCUMULATION_ATOL
     optimizer = sgd(model)
     tat.run_epoch(iter(micro), model, loss_compute_for(model), optimizer, accum_iter=3)
-    reference = tiny_model()
+    reference = tiny_model().double()
     ref_opt = sgd(reference)
     for group in (micro[:3], micro[3:]):
         tat.run_epoch(
@@ -284,7 +286,9 @@ def test_the_last_partial_group_is_stepped_with_its_own_mean_gradient():
             ref_opt,
         )
     assert_same_parameters(
-        dict(model.named_parameters()), dict(reference.named_parameters())
+        dict(model.named_parameters()),
+        dict(reference.named_parameters()),
+        FLOAT64_ACCUMULATION_ATOL,
     )
 
 
@@ -298,6 +302,13 @@ def eval_batches():
         random_batch(3, 8, [0, 3, 5], seed=30),
         random_batch(2, 8, [1, 0], seed=31),
     ]
+
+
+# The same model and batches through the same calls give the same float32 sum of
+# each batch; run_epoch adds the batches' sums in float32 (one rounding per batch
+# after the first, u of the total each), the tests in float64: len(eval_batches())
+# u relative bounds the difference.
+EPOCH_LOSS_RTOL = 2 * U32
 
 
 def test_eval_epoch_changes_no_parameter_and_records_no_gradient():
@@ -315,7 +326,8 @@ def test_eval_epoch_returns_mean_nll_per_non_padding_token():
     loss, _ = tat.run_epoch(
         iter(eval_batches()), model, loss_compute_for(model, 0.3), mode="eval"
     )
-    assert loss == pytest.approx(hand_nll_per_token(model, eval_batches()), rel=1e-5)
+    hand = hand_nll_per_token(model, eval_batches())
+    assert loss == pytest.approx(hand, rel=EPOCH_LOSS_RTOL)
 
 
 def test_eval_epoch_runs_with_dropout_off():
@@ -326,7 +338,8 @@ def test_eval_epoch_runs_with_dropout_off():
     model.train()
     second, _ = tat.run_epoch(iter(eval_batches()), model, compute, mode="eval")
     assert first == second
-    assert first == pytest.approx(hand_nll_per_token(model, eval_batches()), rel=1e-5)
+    hand = hand_nll_per_token(model, eval_batches())
+    assert first == pytest.approx(hand, rel=EPOCH_LOSS_RTOL)
 
 
 def test_train_epoch_returns_label_smoothed_criterion_per_token():
@@ -346,8 +359,10 @@ def test_train_epoch_returns_label_smoothed_criterion_per_token():
         for b in batches:
             log_probs = model.generator(model(b.src, b.tgt, b.src_mask, b.tgt_mask))
             total += criterion(log_probs.reshape(-1, VOCAB), b.tgt_y.reshape(-1)).item()
-    assert loss == pytest.approx(total / sum(b.ntokens for b in batches), rel=1e-5)
-    # The smoothed criterion is not the NLL, so the two modes really differ.
+    expected = total / sum(b.ntokens for b in batches)
+    assert loss == pytest.approx(expected, rel=EPOCH_LOSS_RTOL)
+    # The smoothed criterion is not the NLL, so the two modes really differ: by
+    # its entropy term and the smoothed mass, 1.98 against 2.90 nats a token here.
     assert loss != pytest.approx(hand_nll_per_token(model, batches), rel=1e-3)
 
 
@@ -435,6 +450,11 @@ def test_run_epoch_training_without_optimizer_raises_value_error():
 # ---------------------------------------------------------------------------------
 
 D_MODEL, FACTOR, WARMUP = 512, 1.0, 4000
+# rate is factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) in float64:
+# it rounds two powers (one ulp, 2u, each) and two products (u each), 6u from the
+# exact value (the min picks between two values within that of one number): two
+# computations of it, however arranged, or one and its exact ratio, lie within 16u.
+RATE_RTOL = 16 * U64
 
 
 def lr_at(step, warmup=WARMUP):
@@ -443,7 +463,7 @@ def lr_at(step, warmup=WARMUP):
 
 def test_rate_rises_linearly_during_warmup():
     for step in (1, 2, 10, 999, 2500, WARMUP):
-        assert lr_at(step) == pytest.approx(step * lr_at(1), rel=1e-12)
+        assert lr_at(step) == pytest.approx(step * lr_at(1), rel=RATE_RTOL)
 
 
 def test_rate_peaks_at_warmup():
@@ -452,8 +472,8 @@ def test_rate_peaks_at_warmup():
 
 
 def test_rate_decays_as_inverse_square_root_after_warmup():
-    assert lr_at(4 * WARMUP) / lr_at(WARMUP) == pytest.approx(0.5, rel=1e-12)
-    assert lr_at(9 * WARMUP) / lr_at(WARMUP) == pytest.approx(1 / 3, rel=1e-12)
+    assert lr_at(4 * WARMUP) / lr_at(WARMUP) == pytest.approx(0.5, rel=RATE_RTOL)
+    assert lr_at(9 * WARMUP) / lr_at(WARMUP) == pytest.approx(1 / 3, rel=RATE_RTOL)
 
 
 @pytest.mark.parametrize(
@@ -464,7 +484,7 @@ def test_rate_equals_the_papers_formula(d_model, factor, warmup):
         step = max(step, 1)
         paper = d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
         assert tat.rate(step, d_model, factor, warmup) == pytest.approx(
-            factor * paper, rel=1e-12
+            factor * paper, rel=RATE_RTOL
         )
 
 
@@ -478,7 +498,8 @@ def test_make_optimizer_gives_finite_positive_lr_at_step_zero_and_follows_rate()
     for step in range(1, 6):
         optimizer.step()
         scheduler.step()
-        assert optimizer.param_groups[0]["lr"] == pytest.approx(lr_at(step), rel=1e-12)
+        # LambdaLR multiplies base_lr = 1.0 by rate itself: exactly rate.
+        assert optimizer.param_groups[0]["lr"] == lr_at(step)
 
 
 def test_make_optimizer_takes_the_rate_from_the_models_own_width():
@@ -487,9 +508,9 @@ def test_make_optimizer_takes_the_rate_from_the_models_own_width():
     model = tat.make_model(11, 11, N=1, d_model=32, d_ff=64, h=2)
     optimizer, _ = tat.make_optimizer(model, warmup=10)
     own = tat.rate(0, 32, 1.0, 10)
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(own, rel=1e-12)
+    assert optimizer.param_groups[0]["lr"] == own  # 1.0 * rate: exact
     optimizer, _ = tat.make_optimizer(model, model_size=512, warmup=10)
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(own / 4, rel=1e-12)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(own / 4, rel=RATE_RTOL)
 
 
 def test_make_optimizer_steps_as_adam_with_the_papers_betas_and_eps():
@@ -515,7 +536,11 @@ def test_make_optimizer_steps_as_adam_with_the_papers_betas_and_eps():
         v = beta2 * v + (1 - beta2) * g * g
         m_hat, v_hat = m / (1 - beta1**t), v / (1 - beta2**t)
         expected -= lr * m_hat / (math.sqrt(v_hat) + eps)
-        assert weight.item() == pytest.approx(expected, rel=1e-9, abs=0), t
+        # float64 (u = 2^-53): each side rounds about 10 times a step, and the bias
+        # corrections 1 - beta^t cancel (1 - 0.98^2 = 0.0396 carries 0.96 / 0.0396 =
+        # 24u, 12u through the square root; 1 - 0.9^2, 4.3u): under 30u a step on
+        # each side, and the two steps have one sign: 64u bounds the difference.
+        assert weight.item() == pytest.approx(expected, rel=64 * U64, abs=0), t
 
 
 # ---------------------------------------------------------------------------------
@@ -540,8 +565,10 @@ def test_label_smoothing_target_distribution():
                 expected = 1 - eps
             else:
                 expected = eps / (size - 2)
-            assert dist[row, col].item() == pytest.approx(expected), (row, col)
-        assert dist[row].sum().item() == pytest.approx(1.0)
+            # float32 holds each float64 value rounded once (u of it)...
+            assert dist[row, col].item() == pytest.approx(expected, rel=U32), (row, col)
+        # ...and summing the 6 adds up to 5 roundings of partial sums below 1.
+        assert dist[row].sum().item() == pytest.approx(1.0, abs=6 * U32)
 
 
 def test_label_smoothing_matches_torch_cross_entropy_up_to_the_entropy_constant():
@@ -576,8 +603,16 @@ def test_label_smoothing_matches_torch_cross_entropy_up_to_the_entropy_constant(
 
     n_nonpad = int((target != pad).sum())
     C = (1 - eps) * math.log(1 - eps) + eps * math.log(eps / (size - 2))
-    assert ours.item() == pytest.approx(ce.item() + n_nonpad * C, rel=1e-10)
-    torch.testing.assert_close(grad_ours, grad_ce, rtol=1e-10, atol=1e-12)
+    # float64, u = 2^-53. Ours sums n * size = 63 terms q (log q - x), of sizes
+    # summing to 16.7 (63 * 16.7 u), and log-softmax's log p is off by up to
+    # (2 |log p| + 6 + 3.4) u = 17.4u (6 classes, |log p| <= 4), weighted by q (7
+    # rows summing to 1 each): 1,170u; cross_entropy's side rounds as much. Twice
+    # that over the loss, 14.2: 165u = 1.8e-14, so 2e-14.
+    assert ours.item() == pytest.approx(ce.item() + n_nonpad * C, rel=2e-14)
+    # A gradient entry is softmax_i * sum(q) - q_i: the softmax off by (|s - max| +
+    # size + 4) u = 18u relative, the sums of 7 terms by 7u, on values below 1: under
+    # 30u a side, 64u for the two.
+    torch.testing.assert_close(grad_ours, grad_ce, rtol=0, atol=64 * U64)
 
 
 def test_label_smoothing_with_zero_padding_probability_is_finite_via_safe_log():
@@ -593,7 +628,8 @@ def test_label_smoothing_with_zero_padding_probability_is_finite_via_safe_log():
 
 def test_safe_log_equals_log_for_positive_probabilities():
     p = torch.tensor([1e-30, 0.25, 1.0])
-    torch.testing.assert_close(tat.safe_log(p), torch.log(p))
+    # Above float32's tiny (1.2e-38) the clamp leaves p as it is: the same log.
+    assert torch.equal(tat.safe_log(p), torch.log(p))
 
 
 def test_smoothed_loss_for_confidence_is_finite_from_1_to_100():
@@ -947,7 +983,11 @@ def test_run_epoch_trains_and_evaluates_with_a_loss_compute_of_the_originals_kin
             theirs(theirs_model(b.src, b.tgt, b.src_mask, b.tgt_mask), b.tgt_y, 1)[0]
             for b in batches
         )
-    assert loss == pytest.approx(float(smoothed) / sum(b.ntokens for b in batches))
+    # run_epoch reads each batch's loss as (x / n) * n, two float32 roundings from
+    # the x the test reads; both add the two batches in float32 in the same order:
+    # 3u apart at most, relative.
+    expected = float(smoothed) / sum(b.ntokens for b in batches)
+    assert loss == pytest.approx(expected, rel=4 * U32)
 
 
 def test_the_originals_copy_example_runs_with_its_dummy_optimizer_and_scheduler():
