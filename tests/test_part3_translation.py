@@ -281,7 +281,7 @@ def padding_fraction(batches):
 def test_padding_fraction_counts_the_padded_target_positions():
     examples = [([0, 4, 1], [0, 4, 5, 6, 1]), ([0, 4, 1], [0, 4, 1])]
     batch = tat.collate_batch(examples)  # tgt_y: 4 + 2 real of 2 x 4 positions
-    assert padding_fraction([batch]) == pytest.approx(2 / 8)
+    assert padding_fraction([batch]) == 2 / 8  # 1 - 6 / 8: exact in binary
 
 
 def original_batches(pairs, batch_size=32, width=72):
@@ -306,7 +306,9 @@ def test_token_budget_batches_waste_far_less_on_padding_than_the_original(
     )
     ours = padding_fraction(list(train_data.batches("train", sampler)))
     original = padding_fraction(list(original_batches(pairs)))
-    assert original > 0.7  # most of the original's positions were padding
+    # Measured on Multi30k's training split: 0.80 and 0.039; the bounds keep the
+    # claim (most of the original's positions were padding, few of ours) with room.
+    assert original > 0.7
     assert ours < 0.15
     assert ours < original / 3
 

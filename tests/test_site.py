@@ -442,6 +442,9 @@ def test_the_attention_menus_pick_the_kind_layer_and_head(opened, page_notebook)
     for kind in reversed(kinds):
         for menu, value in (("kind", kind), ("layer", last_layer), ("head", last_head)):
             pick(tab, menu, value)
+        # A cell's label gives its weight to 12 significant digits (d3-format's
+        # default), the data to all of a float's: rounded to 6 decimals both give
+        # the same number, but for a weight within 1e-12 of a rounding boundary.
         expected = {
             (row["query"], row["key"], round(row["weight"], 6))
             for row in rows

@@ -318,7 +318,8 @@ def test_a_full_disk_says_where_what_the_checkpoints_need_and_what_is_intact(
     for name in ("epoch_003.pt", "last.pt"):
         written = (run / name).stat().st_size / 1e6
         # The message rounds to 0.1 MB (0.05 either way); the checkpoints written now
-        # differ from the refused ones only in a few bytes of their records.
+        # differ from the refused ones only in a few bytes of their records (0.001 MB
+        # is 1,000 bytes).
         assert abs(stated_megabytes(line, name) - written) <= 0.051, name
 
 
@@ -539,7 +540,7 @@ def test_quick_profile_lowers_the_validation_nll_by_a_third_in_a_few_hundred_ste
     assert steps >= 200
     after = history[-1]["val_nll"]
     assert after < before * 2 / 3, (before, [r["val_nll"] for r in history])
-    assert history[-1]["val_ppl"] == pytest.approx(math.exp(after))
+    assert history[-1]["val_ppl"] == math.exp(after)  # the same float64 exp
 
 
 @pytest.mark.slow
@@ -570,8 +571,16 @@ def test_a_run_without_dropout_trains_exactly_what_the_books_recipe_trains(
     for name, tensor in saved.items():
         assert torch.equal(weights[name], tensor), name
     assert [r["epoch"] for r in book_history] == [r["epoch"] for r in history] == [1]
-    for key in ("train_loss_smoothed", "val_nll"):  # summed in other orders
-        assert book_history[0][key] == pytest.approx(history[0][key], rel=1e-5)
+    # The losses are computed in other forms and orders, in float32 (u = 2^-24). Per
+    # token, on each side: the projection to V = 348 scores ((d_model + 1) u sum|W||h|
+    # = 33u * 3.6 here, twice through log-softmax: 240u) and the log-softmax ((2 |log
+    # p| + V + 3.4) u, about 370u), against losses of about 4 a token: 300u relative
+    # for the two sides. The sums over a batch (up to 274 tokens * 348 words, which
+    # torch adds in cascades: about log2 of that, 17u, times the terms' sizes, about
+    # twice the total) and over 56 batches add 2 * (34 + 56) u. About 500u = 3e-5;
+    # the cascade's log2 is torch's design, not a guarantee: three times that, 1e-4.
+    for key in ("train_loss_smoothed", "val_nll"):
+        assert book_history[0][key] == pytest.approx(history[0][key], rel=1e-4)
 
 
 # ---------------------------------------------------------------------------
