@@ -554,13 +554,13 @@ def attention_by_hand(x, layer, mask, scale=True, masked=True):
 
 
 # The example's inputs and weights are small whole numbers, exact in float32, and so
-# are Q, K, V and the dot products. Rounding enters at the division by sqrt(2), the
-# exponentials, the softmax's sum and division, the weighted sums of at most 4 values
-# and the output projection's sums of 4: about 8 roundings, each at most a few
-# float32 ulps (2^-24 ~ 6e-8 relative) of values at most 3, so under 1e-6 in all
-# (measured: 2.4e-7). 1e-5 leaves room for other CPU kernels; a missing scale or
-# mask moves the weights by 0.1 or more (the control below), 10,000 times as much.
-BY_HAND_ATOL = 1e-5
+# are Q, K, V (at most 2) and the dot products; the loops' float64 is exact to 1e-15.
+# attention_error bounds what float32 rounds from there: the weights within 2.2e-6,
+# the heads' outputs within 4.9e-6, and the output projection (each output a sum of
+# two of them, whole-number weights) adds its own rounding: 1.1e-5 at most (measured:
+# 2.4e-7). A missing scale or mask moves the weights by 0.1 or more (the control
+# below), 8,000 times as much.
+BY_HAND_ATOL = 1.2e-5
 
 
 @pytest.fixture(scope="module")
@@ -583,10 +583,10 @@ def test_attention_by_hand_example_equals_eq_1_computed_with_python_loops(
     assert (ex["weights"][..., ~ex["mask"][0]] == 0).all()  # hidden keys: exactly 0
     assert torch.equal(ex["layer"].attn, ex["weights"])  # attend == attention
     # The row the book's prose walks through (query 2 of head 0), as printed to 3
-    # decimals; no value lies within 1e-5 of a rounding boundary, where float32 and
-    # float64 could print differently.
+    # decimals; no value lies within BY_HAND_ATOL of a rounding boundary, where
+    # float32 and float64 could print differently.
     for row in (weights[0][2], heads_out[0][2]):
-        assert all(abs(v * 1000 % 1 - 0.5) > 0.01 for v in row), row
+        assert all(abs(v * 1000 % 1 - 0.5) > 1000 * BY_HAND_ATOL for v in row), row
         assert " ".join(f"{v:6.3f}" for v in row) in printed, printed
     assert "weights (1, 2, 4, 4)" in printed and "Q (1, 2, 4, 2)" in printed
     # ... and as the prose after the example works it out.
@@ -611,7 +611,7 @@ def test_loops_without_the_scale_or_the_mask_miss_the_example_far_beyond_toleran
 # The perturbed-weight control's step. The example's weights are whole numbers and
 # its inputs 0 or 1, so one weight moves the outputs by the step times factors of
 # about 0.1 to 1.5 (attention weights, values, joined heads): 2^-7 ~ 0.0078 moves
-# them by 7e-4 to 1.2e-2 (measured), 70 to 1,200 times BY_HAND_ATOL, so no rounding
+# them by 7e-4 to 1.2e-2 (measured), 58 to 1,000 times BY_HAND_ATOL, so no rounding
 # can hide it; yet it is a small slip, not a different layer. A power of two, it
 # leaves the perturbed weight exact in float32, so the perturbed layer rounds no more
 # than the example's (the check that both sides agree again once they share it).
