@@ -1,10 +1,13 @@
 """workshop/translation.py from Python: the Translator that `load_translator` gives
 (one answer per sentence, blank ones too; n-best lists; the hard limit; progress),
-and sampling (filter_log_probs, sample_decode, seeds). The command line's translate
-is tested in tests/test_cli.py; the batched beam search in
-tests/test_part5_decoding.py.
+sampling (filter_log_probs, sample_decode, seeds), and the batched beam search's
+leaving out sentences whose search is done. The command line's translate is tested in
+tests/test_cli.py; the rest of the batched beam search in
+tests/test_part5_decoding.py; the key/value cache all three searches use in
+tests/test_workshop_kv_cache.py.
 """
 
+import copy
 import io
 import math
 
@@ -12,6 +15,13 @@ import pytest
 import test_devices
 import torch
 from conftest import tiny_checkpoint
+from test_workshop_kv_cache import (
+    PAD,
+    ragged_sources,
+    random_model,
+    step_log_probs,
+    tolerance,
+)
 
 import the_annotated_transformer as tat
 from workshop import translation
@@ -122,6 +132,82 @@ def test_n_best_without_a_beam_that_large_is_refused_saying_what_to_pass(
         translator.translate(SENTENCES, n_best=3)
     with pytest.raises(UsageError, match=r"it has 2"):
         translator.translate(SENTENCES, n_best=3, beam_size=2)
+
+
+# ---------------------------------------------------------------------------
+# The batched beam search leaves out the sentences it has done
+
+
+def beam(model, src, src_mask, **options):
+    """The workshop's beam search of 3 for 3 hypotheses a sentence, ending at 1."""
+    options = dict(beam_size=3, pad_symbol=PAD, n_best=3, **options)
+    return translation.beam_search(model, src, src_mask, 12, 0, 1, **options)
+
+
+def score_tolerance(model, src, src_mask):
+    """A score sums at most 11 step log-probabilities, each within the cache's
+    step tolerance (tests/test_workshop_kv_cache.py), over a length penalty >= 1."""
+    ys = tat.greedy_decode(model, src, src_mask, 12, 0)
+    return 11 * tolerance(model, step_log_probs(model, src, src_mask, ys))
+
+
+def test_beam_search_drops_done_sentences_and_finds_what_it_finds_without():
+    """Ragged sentences that end at different steps: the decoder batch shrinks by a
+    sentence's k rows as each is done, and the search finds what it finds without
+    the cache (which recomputes every row) and what the book's search finds for
+    each sentence alone."""
+    model = random_model()
+    src, src_mask = ragged_sources()
+    rows = []  # the decoder's rows at each step
+    hook = model.generator.register_forward_hook(
+        lambda module, args, out: rows.append(out.size(0))
+    )
+    try:
+        found = beam(model, src, src_mask)
+    finally:
+        hook.remove()
+    plain = beam(model, src, src_mask, use_cache=False)
+    assert rows[0] == 3 * src.size(0) and rows[-1] < rows[0]
+    assert all(n % 3 == 0 for n in rows) and rows == sorted(rows, reverse=True)
+    limit = score_tolerance(model, src, src_mask)
+    for row, (hyps, without) in enumerate(zip(found, plain, strict=True)):
+        scores = [score for _, score in without]
+        # Rounding can only reorder hypotheses within the tolerance of each other.
+        gaps = [a - b for a, b in zip(scores, scores[1:], strict=False)]
+        assert min(gaps) > 2 * limit, f"near tie in {scores}: choose other sources"
+        assert [ids for ids, _ in hyps] == [ids for ids, _ in without]
+        for (_, a), (_, b) in zip(hyps, without, strict=True):
+            assert a == pytest.approx(b, abs=limit)
+        alone = tat.beam_search(
+            model,
+            src[row : row + 1],
+            src_mask[row : row + 1],
+            12,
+            0,
+            1,
+            beam_size=3,
+            pad_symbol=PAD,
+        )
+        assert hyps[0][0] == alone[0].tolist()  # one sentence: no padding
+
+
+def test_a_perturbed_weight_changes_the_beams_comparison():
+    """The control of the test above: the search with the cache, on a copy of the
+    model with one weight of the first decoder layer changed by 0.5, no longer
+    finds the hypotheses and scores of the unchanged model within the tolerance."""
+    model = random_model()
+    src, src_mask = ragged_sources()
+    limit = score_tolerance(model, src, src_mask)
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        changed.decoder.layers[0].self_attn.linears[2].weight.view(-1)[0] += 0.5
+    found, plain = beam(changed, src, src_mask), beam(model, src, src_mask)
+    same = [
+        ids_a == ids_b and abs(a - b) <= limit
+        for hyps, without in zip(found, plain, strict=True)
+        for (ids_a, a), (ids_b, b) in zip(hyps, without, strict=True)
+    ]
+    assert not all(same)
 
 
 # ---------------------------------------------------------------------------

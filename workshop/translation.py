@@ -25,6 +25,7 @@ import the_annotated_transformer as tat
 from workshop import fast
 from workshop.checkpoints import load_checkpoint, model_from_checkpoint
 from workshop.errors import UsageError, checking_input
+from workshop.kv_cache import DecodingCache
 
 # The longest sentence translate reads, in characters: about 15 times the longest
 # Multi30k sentence the model could read whole (5,000 positions of about 6
@@ -366,11 +367,12 @@ def seeded_generator(seed, device):
     return generator
 
 
-class SteppingCache(tat.KVCache):
-    """The book's KVCache that calls on_step(positions held) after each step."""
+class SteppingCache(DecodingCache):
+    """The workshop's DecodingCache that calls on_step(positions held) after each
+    step."""
 
-    def __init__(self, model, on_step):
-        super().__init__(model)
+    def __init__(self, model, max_len, on_step):
+        super().__init__(model, max_len)
         self.on_step = on_step
 
     def step(self, model, memory, src_mask, ys):
@@ -380,13 +382,17 @@ class SteppingCache(tat.KVCache):
 
 
 def greedy_decode(model, src, src_mask, max_len, start_symbol, on_step=None, **options):
-    """The book's cached_greedy_decode (greedy with the key/value cache);
-    on_step(step, max_len), if given, is called after each step (progress)."""
+    """The book's greedy_decode with the workshop's key/value cache (DecodingCache:
+    the same tokens as the book's cached_greedy_decode, faster); on_step(step,
+    max_len), if given, is called after each step (progress)."""
     if on_step is None:
-        return tat.cached_greedy_decode(
-            model, src, src_mask, max_len, start_symbol, **options
-        )
-    options["cache"] = SteppingCache(model, lambda length: on_step(length, max_len))
+        options["cache"] = DecodingCache(model, max_len)
+    else:
+
+        def report(length):
+            on_step(length, max_len)
+
+        options["cache"] = SteppingCache(model, max_len, report)
     return tat.greedy_decode(model, src, src_mask, max_len, start_symbol, **options)
 
 
@@ -433,18 +439,18 @@ def sample_decode(
     incl. the start symbol. n_best=K draws K translations per sentence and returns,
     per sentence, K (ids, log P) pairs, most likely first, where log P is the
     model's own log-probability of the ids (at temperature 1, unfiltered).
-    `generator` (a torch.Generator on src's device) makes a draw repeatable."""
+    `generator` (a torch.Generator on src's device) makes a draw repeatable. A
+    sentence's n_best rows share its memory (DecodingCache's groups)."""
     tat.check_positive_int(max_len=max_len, n_best=n_best)
     check_sampling(temperature, top_k, top_p, None)
     pad_symbol = end_symbol if pad_symbol is None else pad_symbol
     rows = src.size(0) * n_best
     with tat.evaluating(model), torch.no_grad():
-        memory = model.encode(src, src_mask).repeat_interleave(n_best, dim=0)
-        src_mask = src_mask.repeat_interleave(n_best, dim=0)  # n_best rows a sentence
-        ys = torch.full_like(memory[:, :1, 0], start_symbol, dtype=src.dtype)
+        memory = model.encode(src, src_mask)  # one row per sentence, n_best in ys
+        ys = torch.full((rows, 1), start_symbol, dtype=src.dtype, device=src.device)
         log_p = torch.zeros(rows, dtype=memory.dtype, device=src.device)  # so far
         done = torch.zeros(rows, dtype=torch.bool, device=src.device)
-        cache = tat.KVCache(model)
+        cache = DecodingCache(model, max_len)
         for step in range(1, max_len):
             log_probs = tat.decode_step(model, memory, src_mask, ys, cache)
             scores = filter_log_probs(log_probs, temperature, top_k, top_p)
@@ -468,46 +474,59 @@ def sample_decode(
 
 
 def next_beam(b, candidates, ys, step, finished, last, k, end_symbol, alpha):
-    """Sentence b's next beam from its best (score, flat index) candidates: up to k
-    (row, token, score); hypotheses that end here join finished[b] instead."""
+    """The next beam of the sentence in batch row b from its best (score, flat
+    index) candidates: up to k (row, token, score); hypotheses that end here join
+    `finished` (that sentence's list) instead."""
     beam, vocab = [], candidates[2]
     for rank, (score, flat) in enumerate(zip(*candidates[:2], strict=True)):
-        if len(finished[b]) >= k or len(beam) == k or score == float("-inf"):
+        if len(finished) >= k or len(beam) == k or score == float("-inf"):
             break
         row, token = b * k + flat // vocab, flat % vocab
         if token == end_symbol or last:
             if rank < k:  # only candidates that would have made the beam count
                 ids = ys[row].tolist() + [token]
-                finished[b].append((score / tat.length_penalty(step, alpha), ids))
+                finished.append((score / tat.length_penalty(step, alpha), ids))
             continue
         beam.append((row, token, score))
     return beam
 
 
 def advance_beams(ys, scores, log_probs, step, finished, last, k, end, pad, alpha):
-    """One beam-search step for every sentence: returns (ys, scores, rows kept).
+    """One beam-search step for every sentence of the batch (finished: their lists
+    of finished hypotheses, in batch order): returns (ys, scores, rows kept, the
+    batch rows of the sentences still searched).
 
     It adds each hypothesis's score to the log-probabilities of its next tokens,
     keeps the 2k best of the k * V extensions (enough for k to go on even if k of
-    them end), lets next_beam choose, and fills a finished sentence's beam with dead
-    rows of score -inf.
+    them end), and lets next_beam choose. A sentence that has k finished
+    hypotheses, or none left to extend, is done: its rows leave the batch. Another
+    with fewer than k to extend fills its beam with dead rows of score -inf.
     """
     B, vocab = scores.size(0), log_probs.size(-1)
-    total = (scores.unsqueeze(-1) + log_probs.view(B, k, vocab)).view(B, -1)
-    top_scores, top_ids = total.topk(min(2 * k, total.size(1)), dim=-1)
+    # A sentence's 2k best extensions are among the 2k best of each of its rows
+    # (adding the row's score keeps the order within the row), so only those are
+    # added up and ranked: the same sums, without a pass over all k * V.
+    n = min(2 * k, vocab)
+    row_best, row_tokens = log_probs.topk(n, dim=-1)  # (B * k, n)
+    total = (scores.unsqueeze(-1) + row_best.view(B, k, n)).view(B, -1)
+    top_scores, best = total.topk(min(2 * k, total.size(1)), dim=-1)
+    tokens = row_tokens.view(B, -1).gather(1, best)
+    top_ids = best // n * vocab + tokens  # row * V + token, as in k * V
     # One read by the host a step, and one copy back: float64 holds the float32
     # scores and the ids (below 2**53) exactly.
     top = torch.stack([top_scores.double(), top_ids.double()]).tolist()
-    chosen = []  # (row, token, score), k per sentence
+    chosen, searched = [], []  # (row, token, score), k per sentence still searched
     for b, (s, i) in enumerate(zip(*top, strict=True)):
         i = [int(flat) for flat in i]
-        beam = next_beam(b, (s, i, vocab), ys, step, finished, last, k, end, alpha)
-        chosen += beam + [(b * k, pad, float("-inf"))] * (k - len(beam))  # dead rows
-    chosen = torch.tensor(chosen, dtype=torch.float64, device=ys.device)
+        beam = next_beam(b, (s, i, vocab), ys, step, finished[b], last, k, end, alpha)
+        if beam and len(finished[b]) < k:
+            searched.append(b)
+            chosen += beam + [(b * k, pad, float("-inf"))] * (k - len(beam))
+    chosen = torch.tensor(chosen, dtype=torch.float64, device=ys.device).view(-1, 3)
     rows, tokens, new_scores = chosen.T
     rows = rows.long()
     ys = torch.cat([ys[rows], tokens.to(ys.dtype).unsqueeze(1)], dim=1)
-    return ys, new_scores.float().view(B, k), rows
+    return ys, new_scores.float().view(-1, k), rows, searched
 
 
 def best_hypotheses(finished, n_best, pad_symbol, src):
@@ -536,10 +555,11 @@ def beam_search(
     on_step=None,
 ):
     """The book's beam search for a whole batch at once: the k hypotheses of all B
-    sentences are B * k rows of one decoder batch. n_best=1: (batch, <= max_len) best
-    ids incl. the start symbol; n_best > 1: per sentence, a list of (ids, score),
-    best first. use_cache=False recomputes every step (for tests); on_step(step,
-    max_len), if given, is called after each step (progress)."""
+    sentences are B * k rows of one decoder batch, and a sentence's rows leave it
+    when its search is done. n_best=1: (batch, <= max_len) best ids incl. the start
+    symbol; n_best > 1: per sentence, a list of (ids, score), best first.
+    use_cache=False recomputes every step (for tests); on_step(step, max_len), if
+    given, is called after each step (progress)."""
     tat.check_positive_int(max_len=max_len, beam_size=beam_size, n_best=n_best)
     if n_best > beam_size:
         raise ValueError(f"n_best={n_best} cannot exceed beam_size={beam_size}.")
@@ -547,23 +567,33 @@ def beam_search(
     B, k = src.size(0), beam_size
     step_options = dict(k=k, end=end_symbol, pad=pad_symbol, alpha=alpha)
     with tat.evaluating(model), torch.no_grad():
-        memory = model.encode(src, src_mask).repeat_interleave(k, dim=0)
-        src_mask = src_mask.repeat_interleave(k, dim=0)  # k rows per sentence
-        ys = torch.full_like(memory[:, :1, 0], start_symbol, dtype=src.dtype)
+        memory = model.encode(src, src_mask)  # one row per sentence, k rows in ys
+        ys = torch.full((B * k, 1), start_symbol, dtype=src.dtype, device=src.device)
         scores = torch.full((B, k), float("-inf"), device=src.device)
         scores[:, 0] = 0.0  # at first the beam holds only the start symbol
-        cache = tat.KVCache(model) if use_cache else None
+        cache = DecodingCache(model, max_len) if use_cache else None
         finished = [[] for _ in range(B)]  # (normalised score, ids)
+        searched = list(range(B))  # the sentences in the batch, in its order
         for step in range(1, max_len):
-            log_probs = tat.decode_step(model, memory, src_mask, ys, cache)
-            last = step == max_len - 1
-            ys, scores, rows = advance_beams(
-                ys, scores, log_probs, step, finished, last, **step_options
-            )
             if cache is not None:
-                cache.reorder(rows)  # every row keeps the cache of what it extends
+                log_probs = cache.step(model, memory, src_mask, ys)
+            else:  # the book's decode_step, with the memory repeated for each row
+                repeated = (t.repeat_interleave(k, 0) for t in (memory, src_mask))
+                log_probs = tat.decode_step(model, *repeated, ys)
+            last, ends = step == max_len - 1, [finished[b] for b in searched]
+            ys, scores, rows, kept = advance_beams(
+                ys, scores, log_probs, step, ends, last, **step_options
+            )
             if on_step is not None:
                 on_step(step, max_len)
-            if all(len(f) >= k for f in finished):
+            if not kept:
                 break
+            sentences = None  # the batch rows of the sentences kept, if some left
+            if len(kept) < len(searched):
+                sentences = rows[::k] // k  # each kept sentence's first row
+                memory = memory.index_select(0, sentences)
+                src_mask = src_mask.index_select(0, sentences)
+                searched = [searched[b] for b in kept]
+            if cache is not None:  # every row keeps the cache of what it extends
+                cache.reorder(rows, sentences)
     return best_hypotheses(finished, n_best, pad_symbol, src)
