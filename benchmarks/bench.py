@@ -26,7 +26,8 @@ figures to quote.
 The figures live beside this file, one module a job: bench_settings.py (sizes and
 how much work), timing.py (the timing harness and the machine), workloads.py
 (models, data, training and decoding; every workshop/ import), table.py (rows and
-goals), and figures_training.py, figures_decoding.py and figures_footprint.py.
+goals), and figures_training.py, figures_decoding.py, figures_footprint.py and
+figures_profile.py (where a training step's time goes, from torch.profiler).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import the_annotated_transformer as tat
 from bench_settings import QUICK, Settings
 from figures_decoding import figure_batching, figure_beam, figure_decoding
 from figures_footprint import figure_memory, figure_startup
+from figures_profile import figure_profile
 from figures_training import (
     Context,
     figure_bf16,
@@ -69,6 +71,7 @@ FIGURES = {
     "beam": figure_beam,
     "startup": figure_startup,
     "memory": figure_memory,
+    "profile": figure_profile,
 }
 FIGURE_NEEDS = {  # the training variants each figure reads from Context.training
     "training": ("ours fp32", "nn.Transformer fp32"),

@@ -1,7 +1,9 @@
 """What the figures run: the book's model and torch.nn.Transformer at given sizes,
 synthetic sentences, the book's training and decoding, and a FLOP count. Models and
 batches are made on the CPU (from seeded host generators) and moved once to the
-bench's device, before anything is timed.
+bench's device, before anything is timed. Training goes through the workshop's
+pieces (training_parts), by the book's run_epoch (trainer) or one step at a time
+with the loss and the optimizer marked for torch.profiler (train_step).
 
 Every name the benchmark takes from workshop/ is imported here, and only here;
 bf16_pays(device) is the workshop's rule for whether bfloat16 pays (on a GPU: its
@@ -19,6 +21,7 @@ import warnings
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 # The book and workshop/ are found through PYTHONPATH, which `make bench` sets to the
 # repository root (PYTHONPATH=. .venv/bin/python benchmarks/bench.py by hand).
@@ -37,6 +40,9 @@ from workshop.translation import beam_search
 # This folder's modules (bench.py runs as a script, so benchmarks/ is on sys.path).
 from bench_settings import MAX_SENTENCE, NEVER, TRAIN_BATCH, Sizes
 
+# What train_step names its loss and its optimizer step in a torch.profiler trace.
+LOSS_MARK, OPTIMIZER_MARK = "bench: loss", "bench: optimizer step"
+
 
 def quick_profile():
     """The settings of a training run's "quick" profile (RunConfig)."""
@@ -49,14 +55,25 @@ def quick_profile_sizes(vocab=8000):
     return Sizes(config.N, config.d_model, config.d_ff, config.h, vocab)
 
 
-def book_model(sizes, seed=0, device="cpu"):
-    """The model a training run trains (workshop.training's make_run_model: the
-    book's model with workshop.fast's dropout and fused attention) at `sizes`, with
-    the run's other settings at their defaults, initialised from `seed` (on the CPU,
-    so the same weights on every device), on `device`."""
-    config = RunConfig(N=sizes.N, d_model=sizes.d_model, d_ff=sizes.d_ff, h=sizes.h)
+def multi30k_profile():
+    """The settings of a training run's "multi30k" profile (RunConfig): 3 layers,
+    d_model=256, 8,000 joint subwords with shared embeddings, 2,000-token batches."""
+    return RunConfig.from_profile("multi30k")
+
+
+def run_model(config, vocab, seed=0, device="cpu"):
+    """The model a training run with `config` trains (workshop.training's
+    make_run_model: the book's model with workshop.fast's dropout and fused
+    attention), `vocab` words on each side, initialised from `seed` (on the CPU, so
+    the same weights on every device), on `device`."""
     torch.manual_seed(seed)
-    return make_run_model(config, sizes.vocab, sizes.vocab).to(device)
+    return make_run_model(config, vocab, vocab).to(device)
+
+
+def book_model(sizes, seed=0, device="cpu"):
+    """run_model at `sizes`, with the run's other settings at their defaults."""
+    config = RunConfig(N=sizes.N, d_model=sizes.d_model, d_ff=sizes.d_ff, h=sizes.h)
+    return run_model(config, sizes.vocab, seed, device)
 
 
 class TorchTransformer(nn.Module):
@@ -139,6 +156,24 @@ def synthetic_batches(n, vocab, batch_size=TRAIN_BATCH, seed=0, device="cpu"):
     return [tat.collate_batch(c).to(device) for c in chunks(pairs, batch_size)]
 
 
+def budget_batches(n, vocab, max_tokens, seed=0, device="cpu"):
+    """`n` Batches as a training run cuts them: synthetic pairs whose two sides
+    have the same random length (3..MAX_SENTENCE ids, as a sentence and its
+    translation nearly do), cut by the book's TokenBudgetBatchSampler into batches
+    of at most `max_tokens` padded ids a side; of those, n spread evenly from the
+    shortest sentences to the longest (the middle one for n=1); on `device`."""
+    rng = torch.Generator().manual_seed(seed)
+    pairs = []
+    for _ in range((n + 10) * max_tokens // 13):  # 13.5 ids on average: n + 10 batches
+        length = int(torch.randint(3, MAX_SENTENCE + 1, (1,), generator=rng))
+        words = [tat.BOS, *zipf_ids(length - 2, vocab, rng), tat.EOS]
+        pairs.append((words, list(words)))
+    lengths = [len(src) for src, _ in pairs]
+    cut = list(tat.TokenBudgetBatchSampler(lengths, max_tokens, shuffle=False))
+    chosen = [cut[(2 * i + 1) * len(cut) // (2 * n)] for i in range(n)]
+    return [tat.collate_batch([pairs[i] for i in c]).to(device) for c in chosen]
+
+
 def fixed_length_batch(examples, length, pad=tat.PAD):
     """A Batch of (src_ids, tgt_ids) pairs, every sentence padded to `length` ids."""
 
@@ -161,19 +196,26 @@ def padding_share(batches):
     return 1.0 - target_tokens(batches) / sum(b.tgt_y.numel() for b in batches)
 
 
-def trainer(model, amp_dtype=None, smoothing=0.1, warmup=4000):
-    """A function that trains `model` on a list of Batches as the book's training does.
-
-    LabelSmoothing (workshop.fast's, as training runs use) + SimpleLossCompute +
-    make_optimizer, through run_epoch; the function returns run_epoch's mean loss per
-    target token. A bfloat16 amp_dtype wraps the model and the loss as training runs
-    do (the workshop's Autocast and AutocastLossCompute).
-    """
+def training_parts(model, amp_dtype=None, smoothing=0.1, warmup=4000):
+    """(the model to train, the loss computation, the optimizer, the schedule) with
+    which training runs train `model`: workshop.fast's LabelSmoothing in the book's
+    SimpleLossCompute, and make_optimizer. A bfloat16 amp_dtype wraps the model and
+    the loss as training runs do (the workshop's Autocast and AutocastLossCompute)."""
     d_model, vocab = model.generator.proj.in_features, model.generator.proj.out_features
     criterion = fast.LabelSmoothing(vocab, tat.PAD, smoothing)
     loss_compute = loss_compute_for_run(model.generator, criterion, amp_dtype)
     trained, _ = models_for_run(model, amp_dtype)
     optimizer, scheduler = tat.make_optimizer(model, model_size=d_model, warmup=warmup)
+    return trained, loss_compute, optimizer, scheduler
+
+
+def trainer(model, amp_dtype=None, smoothing=0.1, warmup=4000):
+    """A function that trains `model` on a list of Batches as the book's training
+    does: training_parts, through run_epoch; the function returns run_epoch's mean
+    loss per target token."""
+    trained, loss_compute, optimizer, scheduler = training_parts(
+        model, amp_dtype, smoothing, warmup
+    )
 
     def train(batches):
         loss, _ = tat.run_epoch(
@@ -182,6 +224,34 @@ def trainer(model, amp_dtype=None, smoothing=0.1, warmup=4000):
         return loss
 
     return train
+
+
+def train_step(model, amp_dtype=None, smoothing=0.1, warmup=4000):
+    """A function that takes one training step of `model` on a Batch, as trainer's
+    run_epoch does with one micro-batch a step, and returns its summed loss.
+
+    It is run_epoch's loop body written out so that a torch.profiler trace can tell
+    the loss computation (generator, log-softmax, label smoothing: LOSS_MARK) and the
+    optimizer's step with the schedule's (the book's take_step: OPTIMIZER_MARK) from
+    the rest; the pieces are training_parts', so it profiles what trainer times.
+    """
+    trained, loss_compute, optimizer, scheduler = training_parts(
+        model, amp_dtype, smoothing, warmup
+    )
+    state = tat.TrainState()
+
+    def step(batch):
+        trained.train()
+        out = trained(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
+        with record_function(LOSS_MARK):
+            loss, loss_node = loss_compute(out, batch.tgt_y, batch.ntokens)
+        loss_node.backward()
+        state.count(batch)
+        with record_function(OPTIMIZER_MARK):
+            tat.take_step(optimizer, scheduler, state)
+        return loss
+
+    return step
 
 
 def source_batches(sentences, batch_size, device="cpu"):

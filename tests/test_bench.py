@@ -10,12 +10,16 @@ import json
 import os
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import HANDMADE_PAIRS, REPO_ROOT, write_split
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
+from torch.profiler import profile, record_function
 from torch.utils import _pytree as pytree
 
 import the_annotated_transformer as tat
@@ -37,6 +41,15 @@ ROWS = {
     "beam": ["beam4_batch1", "beam4_batch64"],
     "startup": ["import", "cli_help", "copy_task", "copy_task_exact"],
     "memory": ["memory_base", "memory_quick"],
+    "profile": [
+        f"profile_{step}_{precision}_{row}"
+        for step in ("base", "multi30k")
+        for precision in ("fp32", "bf16")
+        for row in (
+            *("step", "matmul", "attention", "elementwise", "casts", "loss"),
+            *("optimizer", "python", "other"),
+        )
+    ],
 }
 
 
@@ -218,6 +231,127 @@ def test_trainer_in_bf16_trains_the_model_and_its_loss_under_autocast(bench_modu
     assert any(not torch.equal(p, q) for p, q in zip(after, before, strict=True))
 
 
+def test_train_step_trains_the_model_as_trainer_does(bench_module):
+    """The profiled step is run_epoch's step: from the same weights, batches and
+    dropout draws, two steps of each leave the same weights and the same loss."""
+    workloads, settings = bench_module("workloads"), bench_module("bench_settings")
+    sizes = settings.Sizes(N=1, d_model=32, d_ff=64, h=4, vocab=50)
+    batches = workloads.synthetic_batches(2, sizes.vocab, batch_size=4)
+    stepped, trained = (workloads.book_model(sizes, seed=0) for _ in range(2))
+    step = workloads.train_step(stepped)
+    torch.manual_seed(1)
+    losses = [step(batch).float() for batch in batches]
+    torch.manual_seed(1)
+    mean_loss = workloads.trainer(trained)(batches)
+    # Exact: the same float32 operations in the same order on the same values.
+    assert float(sum(losses)) / workloads.target_tokens(batches) == mean_loss
+    for p, q in zip(stepped.parameters(), trained.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_budget_batches_fill_the_token_budget_as_the_book_cuts_it(bench_module):
+    workloads = bench_module("workloads")
+    batches = workloads.budget_batches(3, 100, max_tokens=200, seed=5)
+    assert len(batches) == 3
+    for batch in batches:
+        assert batch.src.numel() <= 200 and batch.tgt.numel() < 200  # tgt: one less
+        assert torch.equal(batch.src[:, 1:], batch.tgt_y)  # the same ids each side
+
+
+def toy_step(workloads):
+    """A function that takes a step of a tiny model with one of each kind of op
+    the profile sorts, marked as train_step marks the loss and the optimizer."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    w, w2 = torch.randn(16, 8, requires_grad=True), torch.randn(16, 5)
+    w2.requires_grad_()
+    buffer = torch.empty(4, 8, dtype=torch.bfloat16)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = F.linear(x, w)  # x and w cast to bfloat16 inside the product
+        q = h.float().view(1, 1, 4, 16)
+        with sdpa_kernel(SDPBackend.MATH):  # attention as bmm, softmax, bmm
+            a = F.scaled_dot_product_attention(q, q, q)
+        r = torch.relu(a.view(4, 16)).clone()
+        with record_function(workloads.LOSS_MARK):
+            loss = F.log_softmax(r @ w2, -1).mul(2.0).sum()
+        loss.backward()
+        buffer.copy_(x.detach())  # a copy between dtypes
+        with record_function(workloads.OPTIMIZER_MARK), torch.no_grad():
+            w.add_(w.grad)
+
+    return step
+
+
+@pytest.fixture(scope="module")
+def toy_profile():
+    """(figures_profile, the CPU events of one profiled toy_step, their wall
+    seconds, {event id: Category})."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))
+        figures, workloads = (
+            importlib.import_module(name) for name in ("figures_profile", "workloads")
+        )
+    step = toy_step(workloads)
+    step()  # first calls out of the way
+    with profile(record_shapes=True) as prof:
+        start = time.perf_counter()
+        step()
+        wall = time.perf_counter() - start
+    events = prof.events()
+    return figures, events, wall, figures.categorize(events)
+
+
+def test_profile_judges_an_op_by_its_name_its_callers_and_its_forward_op(
+    toy_profile,
+):
+    figures, events, _, category = toy_profile
+
+    def kinds(name, where=lambda event: True):
+        found = {category[e.id].key for e in events if e.name == name and where(e)}
+        assert found, f"no {name} in the trace"
+        return found
+
+    def under(name):
+        return lambda event: event.cpu_parent and event.cpu_parent.name == name
+
+    def converts(event):
+        return any(c.name == "aten::_to_copy" for c in event.cpu_children)
+
+    # By name, forward and backward; the loss's product is a product all the same.
+    assert kinds("aten::mm") == {"matmul"}
+    assert kinds("aten::_to_copy") == kinds("aten::to", converts) == {"casts"}
+    assert kinds("aten::copy_", under("aten::_to_copy")) == {"casts"}
+    assert kinds("aten::copy_", lambda e: e.cpu_parent is None) == {"casts"}
+    assert kinds("aten::copy_", under("aten::clone")) == {"elementwise"}
+    assert kinds("aten::relu") == kinds("aten::threshold_backward") == {"elementwise"}
+    assert kinds("aten::_log_softmax_backward_data") == {"loss"}
+    assert kinds("torch::autograd::AccumulateGrad") == {"other"}
+    # By caller: the marks, and a cast's caller never makes it something else.
+    assert kinds("aten::add_", under(figures.OPTIMIZER_MARK)) == {"optimizer"}
+    assert kinds("aten::_softmax") == {"attention"}
+    assert "casts" not in kinds("aten::to", lambda e: not converts(e))
+    # By forward op: attention's products, forward and backward, are attention;
+    # the sum in the loss mark gives its backward to the loss.
+    assert kinds("aten::bmm") == {"attention"}
+    assert kinds("SumBackward0") == {"loss"}
+
+
+def test_profile_counts_calls_where_a_category_is_entered_and_no_time_twice(
+    toy_profile,
+):
+    figures, events, wall, _ = toy_profile
+    result = figures.step_profile(events, wall, 1, torch.device("cpu"))
+    # Forward: the linear under autocast (one call, its inner linear and mm inside)
+    # and the loss's product; backward: their two MmBackward0 and linear's TBackward0.
+    assert result.calls["matmul"] == 5
+    assert result.calls["optimizer"] == 1  # the add_, its mark no op
+    # One thread's ops' own times never overlap, so they fit in the wall time.
+    assert result.seconds["python"] >= 0
+    assert {row.key for row in figures.ROWS} == set(result.seconds)
+
+
 @pytest.mark.slow
 def test_quick_run_prints_and_writes_every_figure(tmp_path):
     """`bench.py --quick` end to end (about a minute on 2 cores), on a small Multi30k
@@ -251,7 +385,11 @@ def test_quick_run_prints_and_writes_every_figure(tmp_path):
             assert row["note"].startswith("skipped: "), key
             continue
         assert isinstance(row["value"], float), key
-        if row["ref_value"] is not None:  # measured beside it: a ratio
+        if key.startswith("profile_"):  # a share of the step, its ms beside it
+            assert row["reference"] in line, key  # "per step" or "unprofiled"
+            if row["unit"] == "%":
+                assert "op calls per step" in row["note"], key
+        elif row["ref_value"] is not None:  # measured beside it: a ratio
             assert row["ratio"] > 0, key
             assert f"{row['ratio']:.2f}x" in line, key
     assert figures["pipeline"]["value"] is not None  # it ran on the stand-in
