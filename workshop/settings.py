@@ -41,6 +41,12 @@ class RunConfig(tat.TrainConfig):
     # The share of the run's last optimizer steps over which the rate falls linearly
     # to 0 (the book's make_optimizer); 0: the paper's schedule to the end.
     cooldown: float = 0.0
+    # The training step of workshop.fast's packed path (issue 43) on a CPU: no work
+    # on padding, Q, K and V in one product, the loss from the generator's scores
+    # (on a GPU, where it measured slower, the step before). False: the step as it
+    # was before, every padded position computed; the same function computed
+    # another way, kept so that the bench can time both.
+    fast_step: bool = True
 
     def make_model(self, src_vocab, tgt_vocab):
         """The book's model for these settings, with Part 4's shared matrices and
@@ -123,6 +129,10 @@ class RunConfig(tat.TrainConfig):
                 "cooldown is the share of the last steps over which the rate falls "
                 f"to 0 and must be between 0 and 1, got {self.cooldown!r}."
             )
+        if not isinstance(self.fast_step, bool):
+            raise UsageError(
+                f"fast_step must be True or False, got {self.fast_step!r}."
+            )
         if self.embedding_init not in (None, "glorot", "normal"):
             raise UsageError(
                 "embedding_init must be 'glorot', 'normal' or None (the book's "
@@ -146,9 +156,10 @@ class RunConfig(tat.TrainConfig):
 
 
 # The settings a resumed run may change: more epochs, the time limit of the new
-# invocation (none unless it is given one) and how many epoch checkpoints it keeps.
-# Checkpoints of one run may differ in these alone.
-RESUMABLE = ("epochs", "time_limit", "keep_checkpoints")
+# invocation (none unless it is given one), how many epoch checkpoints it keeps, and
+# which of two ways computes its training step (the same function). Checkpoints of
+# one run may differ in these alone.
+RESUMABLE = ("epochs", "time_limit", "keep_checkpoints", "fast_step")
 
 
 TRAIN_PROFILES = {

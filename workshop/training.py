@@ -133,17 +133,25 @@ def prepare_run_data(config, data_dir, vocabs=None, check=True):
 
 
 def make_run_model(config, src_vocab, tgt_vocab):
-    """The book's model for `config`, with fast.py's CPU-friendly dropout and fused
-    attention."""
-    model = config.make_model(src_vocab, tgt_vocab)
-    return fast.use_fused_attention(fast.use_fast_dropout(model))
+    """The book's model for `config`, with fast.py's CPU-friendly dropout and its
+    packed attention (config.fast_step), or its fused attention (the step as it was
+    before issue 43)."""
+    model = fast.use_fast_dropout(config.make_model(src_vocab, tgt_vocab))
+    if config.fast_step:
+        return fast.use_packed_attention(model)
+    return fast.use_fused_attention(model)
 
 
-def models_for_run(module, amp_dtype=None, distributed=False, device=None):
+def models_for_run(
+    module, amp_dtype=None, distributed=False, device=None, packed=False
+):
     """(the model run_epoch trains, the model it evaluates) around the book's
-    `module`: under Autocast for a bfloat16 amp_dtype, and the trained one in a
-    GroupSyncDDP when `distributed`."""
-    evaluated = module if amp_dtype is None else Autocast(module, amp_dtype)
+    `module`: computed on its tokens alone (fast.Packed) when `packed` (a run's
+    fast_step: make_run_model gave it packed attention), under Autocast for a
+    bfloat16 amp_dtype, and the trained one in a GroupSyncDDP when `distributed`."""
+    evaluated = fast.Packed(module) if packed else module
+    if amp_dtype is not None:
+        evaluated = Autocast(evaluated, amp_dtype)
     trained = evaluated
     if distributed:
         device = torch.device(device or next(module.parameters()).device)
@@ -154,13 +162,42 @@ def models_for_run(module, amp_dtype=None, distributed=False, device=None):
     return trained, evaluated
 
 
-def loss_compute_for_run(generator, criterion, amp_dtype=None, distributed=False):
-    """The book's SimpleLossCompute, or the subclass for autocast and/or several
-    processes that models_for_run's models need."""
+class AutocastPackedLossCompute(AutocastLossCompute, fast.PackedLossCompute):
+    """fast.PackedLossCompute under AutocastLossCompute's autocast."""
+
+
+class DistributedPackedLossCompute(DistributedLossCompute, fast.PackedLossCompute):
+    """fast.PackedLossCompute with DistributedLossCompute's norm."""
+
+
+class DistributedAutocastPackedLossCompute(
+    DistributedLossCompute, AutocastPackedLossCompute
+):
+    """fast.PackedLossCompute with DistributedLossCompute's norm, under autocast."""
+
+
+LOSS_COMPUTES = {  # (distributed, autocast, packed) -> the class
+    (False, False, False): SimpleLossCompute,
+    (True, False, False): DistributedLossCompute,
+    (False, True, False): AutocastLossCompute,
+    (True, True, False): DistributedAutocastLossCompute,
+    (False, False, True): fast.PackedLossCompute,
+    (True, False, True): DistributedPackedLossCompute,
+    (False, True, True): AutocastPackedLossCompute,
+    (True, True, True): DistributedAutocastPackedLossCompute,
+}
+
+
+def loss_compute_for_run(
+    generator, criterion, amp_dtype=None, distributed=False, packed=False
+):
+    """The loss computation of a run: the book's SimpleLossCompute, or the subclass
+    for autocast and/or several processes that models_for_run's models need; with
+    `packed` (a run's fast_step), fast.PackedLossCompute's loss from the scores of
+    the tokens alone, else the book's over every row."""
+    kind = LOSS_COMPUTES[distributed, amp_dtype is not None, packed]
     if amp_dtype is None:
-        kind = DistributedLossCompute if distributed else SimpleLossCompute
         return kind(generator, criterion)
-    kind = DistributedAutocastLossCompute if distributed else AutocastLossCompute
     return kind(generator, criterion, amp_dtype)
 
 
@@ -344,7 +381,9 @@ def set_up(job):
     amp = run_precision(checkpoint, config, device, say, job.distributed)
     use_tf32(device, say)
     did = what_it_did(job, amp, checkpoint, start_epoch)
-    model, evaluated = models_for_run(module, amp, job.distributed, device)
+    model, evaluated = models_for_run(
+        module, amp, job.distributed, device, packed=config.fast_step
+    )
     loss_compute = logged_loss_compute(job, config, module, amp, optimizer, train_state)
     val_sampler = TokenBudgetBatchSampler(
         data.lengths("val"), config.max_tokens, shuffle=False
@@ -451,7 +490,7 @@ def logged_loss_compute(job, config, module, amp, optimizer, train_state):
     vocab_size = module.generator.proj.out_features
     criterion = fast.LabelSmoothing(vocab_size, PAD, config.label_smoothing)
     loss_compute = loss_compute_for_run(
-        module.generator, criterion, amp, job.distributed
+        module.generator, criterion, amp, job.distributed, packed=config.fast_step
     )
     if job.rank == 0 and not job.quiet:  # the main process writes the log
         loss_compute = StepLog(
