@@ -28,14 +28,17 @@ BENCHMARKS = REPO_ROOT / "benchmarks"
 
 # The rows each figure of bench.py's FIGURES prints, by their key in the JSON file.
 ROWS = {
-    "training": ["training_fp32"],
+    "training": ["training_fp32", "multi30k_step"],
     "bf16": ["training_bf16", "loss_bf16_vs_fp32"],
     "mfu": ["mfu_fp32", "mfu_bf16"],
     "pipeline": ["pipeline", "pipeline_padding"],
     "decoding": [
         "greedy_cache_batch1",
+        "greedy_workshop_cache_batch1",
         "greedy_cache_bound_batch1",
+        "greedy_cache_share_of_bound_batch1",
         "greedy_cache_batch64",
+        "greedy_workshop_cache_batch64",
     ],
     "batching": ["translate_batched"],
     "beam": ["beam4_batch1", "beam4_batch64"],

@@ -56,22 +56,22 @@ def test_evaluate_scores_exactly_what_translate_returned_in_order(tmp_path, caps
 def test_greedy_evaluation_decodes_with_the_key_value_cache(
     tmp_path, translator, monkeypatch
 ):
-    """evaluate decodes greedily with the workshop's greedy_decode, which is the
-    book's cached_greedy_decode (the key/value cache): it calls it, and finds what
-    the book's uncached greedy decoding finds."""
+    """evaluate decodes greedily with the workshop's greedy_decode: the book's
+    greedy_decode with the workshop's DecodingCache (one cache a batch), finding
+    what the book's uncached greedy decoding finds."""
     write_split(tmp_path, "handmade", HANDMADE_PAIRS)
     echo = EchoTranslator(dict(HANDMADE_PAIRS))
     scoring.evaluate(echo, tmp_path, "handmade", quiet=True)
     assert [options for *_, options in echo.calls] == [
         {"decode": translation.greedy_decode}
     ]
-    calls, cached = [], tat.cached_greedy_decode
+    calls, cache = [], translation.DecodingCache
 
     def counted(*args, **kwargs):
         calls.append(1)
-        return cached(*args, **kwargs)
+        return cache(*args, **kwargs)
 
-    monkeypatch.setattr(tat, "cached_greedy_decode", counted)
+    monkeypatch.setattr(translation, "DecodingCache", counted)
     sources = [de for de, _ in HANDMADE_PAIRS]
     found = translator.translate(sources, **translation.decode_options())
     assert calls == [1]  # one batch, decoded with the cache

@@ -25,7 +25,10 @@
 - figures.py      the book's diagrams and charts as PNG files
 - flops.py        a training run's useful FLOPs, which a profile's budget spends
 - fast.py         speed tricks: a cheaper dropout, fused attention, a fused
-                  label-smoothing loss
+                  label-smoothing loss, the packed training step (no work on
+                  padding; Q, K, V in one product)
+- kv_cache.py     decoding's key/value cache, made once and written in place
+                  (DecodingCache)
 - files.py        one atomic write for every file the project writes (and what a
                   full disk says)
 
