@@ -12,6 +12,7 @@ import pytest
 import test_devices
 import torch
 from conftest import trained_copy_task
+from test_part5_decoding import step_log_probs  # the same prefixes, stacked
 
 import the_annotated_transformer as tat
 from workshop import fast, translation
@@ -56,18 +57,6 @@ def tolerance(model, log_probs, dtype=torch.float32):
     """
     steps = 20 * len(model.decoder.layers) + 3
     return steps * torch.finfo(dtype).eps * log_probs.abs().max().item()
-
-
-def step_log_probs(model, src, src_mask, ys, cache=None):
-    """The log-probabilities after each prefix of ys: (steps, batch, vocab)."""
-    with torch.no_grad():
-        memory = model.encode(src, src_mask)
-        return torch.stack(
-            [
-                tat.decode_step(model, memory, src_mask, ys[:, :t], cache)
-                for t in range(1, ys.size(1))
-            ]
-        )
 
 
 MODELS = {
