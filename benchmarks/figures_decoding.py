@@ -10,23 +10,20 @@ import torch
 
 import the_annotated_transformer as tat
 
-# The workshop's decoding, which the figures time beside the book's. (workloads.py
-# is where the benchmark takes workshop/ names; these two are taken here for now.)
-from workshop.kv_cache import DecodingCache
-from workshop.translation import greedy_decode
-
 # isort: split
 # This folder's modules (bench.py runs as a script, so benchmarks/ is on sys.path).
 from bench_settings import TRANSLATE_BATCH
 from table import Goal, Row
 from timing import median_times
 from workloads import (
+    DecodingCache,
     beam,
     book_model,
     memory_projections,
     quick_profile_sizes,
     source_batches,
     synthetic_pairs,
+    workshop_greedy,
 )
 
 
@@ -175,12 +172,6 @@ def cache_rows(seconds, batch, steps, sizes_label):
         )
     )
     return rows
-
-
-def workshop_greedy(model, batch, max_len):
-    """The workshop's greedy decoding (translation's, with DecodingCache), to
-    exactly `max_len` ids (no end symbol)."""
-    return greedy_decode(model, batch.src, batch.src_mask, max_len, tat.BOS)
 
 
 def greedy_all(model, batches, max_len):

@@ -39,10 +39,7 @@ from workloads import (
     budget_batches,
     chunks,
     cpu_info,
-    fast,
     fixed_length_batch,
-    loss_compute_for_run,
-    models_for_run,
     multi30k_profile,
     padding_share,
     quick_profile,
@@ -62,36 +59,6 @@ TRAINING_VARIANTS = {  # name -> (sizes, device) -> (the model on device, amp_dt
 PACKED_VARIANTS = ("ours fp32", "ours bf16")  # computed on their tokens alone
 MULTI30K_BATCHES = 2  # batches of the multi30k figure's timed call
 QUICK_MULTI30K_TOKENS = 200  # --quick's token budget for it (the profile's: 2,000)
-
-
-def step_trainer(
-    model, amp_dtype=None, packed=True, packed_loss=True, smoothing=0.1, warmup=4000
-):
-    """A function that trains `model` on a list of Batches as a training run does,
-    returning run_epoch's mean loss per target token: workshop.fast's label
-    smoothing, the book's make_optimizer (its fused Adam), the model computed on its
-    tokens alone where `packed` (a run's fast_step, which needs make_run_model's
-    model), and the loss from the scores of the target tokens alone where
-    `packed_loss` (the packed loss computation, which any model can take).
-
-    With both False, and a model of fast_step=False, it is a run's step before
-    issue 43."""
-    vocab = model.generator.proj.out_features
-    criterion = fast.LabelSmoothing(vocab, tat.PAD, smoothing)
-    loss_compute = loss_compute_for_run(
-        model.generator, criterion, amp_dtype, packed=packed_loss
-    )
-    trained, _ = models_for_run(model, amp_dtype, packed=packed)
-    d_model = model.generator.proj.in_features
-    optimizer, scheduler = tat.make_optimizer(model, model_size=d_model, warmup=warmup)
-
-    def train(batches):
-        loss, _ = tat.run_epoch(
-            iter(batches), trained, loss_compute, optimizer, scheduler, mode="train"
-        )
-        return loss
-
-    return train
 
 
 @dataclass
@@ -114,7 +81,8 @@ def measure_training(settings, variants, device=CPU):
     for name in variants:
         model, amp_dtype = TRAINING_VARIANTS[name](sizes, device)
         parameters[name] = tat.count_parameters(model)
-        train = step_trainer(model, amp_dtype, packed=name in PACKED_VARIANTS)
+        packed = name in PACKED_VARIANTS
+        train = trainer(model, amp_dtype, packed=packed, packed_loss=True)
         fns[name] = functools.partial(train, batches)
     seconds = median_times(fns, settings.repeats, settings.warmup, device=device)
     return TrainingRuns(batches, seconds, parameters)
@@ -200,7 +168,7 @@ def multi30k_trainers(ctx, amp_dtype):
             seed=config.seed,
             device=ctx.device,
         )
-        trainers[path] = step_trainer(
+        trainers[path] = trainer(
             model,
             amp_dtype,
             packed=fast_step,
@@ -256,7 +224,8 @@ def loss_after(sizes, batches, amp_dtype, window=10, device=CPU):
     rate is large enough for the loss to move within a hundred steps.
     """
     model = book_model(sizes, seed=0, device=device)
-    train = step_trainer(model, amp_dtype, warmup=quick_profile().warmup)
+    warmup = quick_profile().warmup
+    train = trainer(model, amp_dtype, warmup=warmup, packed=True, packed_loss=True)
     torch.manual_seed(1)
     train(batches[:-window])
     return train(batches[-window:])  # run_epoch: mean loss per token of the window

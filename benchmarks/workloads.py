@@ -10,8 +10,9 @@ bf16_pays(device) is the workshop's rule for whether bfloat16 pays (on a GPU: it
 bfloat16 hardware; on the CPU: a timed matrix product), re-exported for the figures,
 parse_device(text), the command line's check of --device, re-exported for bench.py,
 training_flops, the workshop's count of useful FLOPs, with memory_projections,
-the layers it counts per source token, for the figures, and cpu_info(), the
-workshop's reading of /proc/cpuinfo (model name and flags), for timing.py.
+the layers it counts per source token, for the figures, cpu_info(), the
+workshop's reading of /proc/cpuinfo (model name and flags), for timing.py, and
+DecodingCache, the workshop's decoding cache, for the decoding figures.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from workshop import fast
 from workshop.distributed import parse_device as parse_device  # re-exported
 from workshop.flops import memory_projections as memory_projections  # re-exported
 from workshop.flops import training_flops as training_flops  # re-exported
+from workshop.kv_cache import DecodingCache as DecodingCache  # re-exported
 from workshop.precision import bf16_pays as bf16_pays  # re-exported, see above
 from workshop.provenance import cpu_info as cpu_info  # re-exported, see above
 from workshop.settings import RunConfig
 from workshop.training import loss_compute_for_run, make_run_model, models_for_run
-from workshop.translation import beam_search
+from workshop.translation import beam_search, greedy_decode
 
 # isort: split
 # This folder's modules (bench.py runs as a script, so benchmarks/ is on sys.path).
@@ -196,25 +198,34 @@ def padding_share(batches):
     return 1.0 - target_tokens(batches) / sum(b.tgt_y.numel() for b in batches)
 
 
-def training_parts(model, amp_dtype=None, smoothing=0.1, warmup=4000):
+def training_parts(
+    model, amp_dtype=None, smoothing=0.1, warmup=4000, packed=False, packed_loss=False
+):
     """(the model to train, the loss computation, the optimizer, the schedule) with
     which training runs train `model`: workshop.fast's LabelSmoothing in the book's
-    SimpleLossCompute, and make_optimizer. A bfloat16 amp_dtype wraps the model and
-    the loss as training runs do (the workshop's Autocast and AutocastLossCompute)."""
+    SimpleLossCompute, and make_optimizer (its fused Adam). A bfloat16 amp_dtype
+    wraps the model and the loss as training runs do (the workshop's Autocast and
+    AutocastLossCompute). `packed`: the model computed on its tokens alone (a run's
+    fast_step, which needs make_run_model's model of fast_step=True); `packed_loss`:
+    the loss from the scores of the target tokens alone (any model can take it).
+    With both, a run's step with fast_step; with neither, the step before issue 43
+    (for a model of fast_step=False)."""
     d_model, vocab = model.generator.proj.in_features, model.generator.proj.out_features
     criterion = fast.LabelSmoothing(vocab, tat.PAD, smoothing)
-    loss_compute = loss_compute_for_run(model.generator, criterion, amp_dtype)
-    trained, _ = models_for_run(model, amp_dtype)
+    loss_compute = loss_compute_for_run(
+        model.generator, criterion, amp_dtype, packed=packed_loss
+    )
+    trained, _ = models_for_run(model, amp_dtype, packed=packed)
     optimizer, scheduler = tat.make_optimizer(model, model_size=d_model, warmup=warmup)
     return trained, loss_compute, optimizer, scheduler
 
 
-def trainer(model, amp_dtype=None, smoothing=0.1, warmup=4000):
+def trainer(model, amp_dtype=None, **options):
     """A function that trains `model` on a list of Batches as the book's training
-    does: training_parts, through run_epoch; the function returns run_epoch's mean
-    loss per target token."""
+    does: training_parts (its `options`), through run_epoch; the function returns
+    run_epoch's mean loss per target token."""
     trained, loss_compute, optimizer, scheduler = training_parts(
-        model, amp_dtype, smoothing, warmup
+        model, amp_dtype, **options
     )
 
     def train(batches):
@@ -226,7 +237,7 @@ def trainer(model, amp_dtype=None, smoothing=0.1, warmup=4000):
     return train
 
 
-def train_step(model, amp_dtype=None, smoothing=0.1, warmup=4000):
+def train_step(model, amp_dtype=None, **options):
     """A function that takes one training step of `model` on a Batch, as trainer's
     run_epoch does with one micro-batch a step, and returns its summed loss.
 
@@ -236,7 +247,7 @@ def train_step(model, amp_dtype=None, smoothing=0.1, warmup=4000):
     the rest; the pieces are training_parts', so it profiles what trainer times.
     """
     trained, loss_compute, optimizer, scheduler = training_parts(
-        model, amp_dtype, smoothing, warmup
+        model, amp_dtype, **options
     )
     state = tat.TrainState()
 
@@ -265,6 +276,12 @@ def source_batches(sentences, batch_size, device="cpu"):
 def greedy(model, batch, max_len):
     """The book's greedy decoding with the cache, to exactly `max_len` ids."""
     return tat.cached_greedy_decode(model, batch.src, batch.src_mask, max_len, tat.BOS)
+
+
+def workshop_greedy(model, batch, max_len):
+    """The workshop's greedy decoding (translation's, with DecodingCache), to
+    exactly `max_len` ids (no end symbol)."""
+    return greedy_decode(model, batch.src, batch.src_mask, max_len, tat.BOS)
 
 
 def beam(model, batch, max_len, beam_size=4):
