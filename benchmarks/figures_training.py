@@ -319,7 +319,8 @@ def figure_mfu(ctx):
             rows.append(ctx.bf16_skipped(f"mfu_{name}", figure))
             continue
         achieved = flops / runs.seconds[variant]
-        peak = matmul_peak(settings.mm_size, dtype, settings, ctx.device)
+        side = settings.mm_size if ctx.device.type == "cpu" else settings.gpu_mm_size
+        peak = matmul_peak(side, dtype, settings, ctx.device)
         goal, why = mfu_goal(name, ctx.device)
         note = "useful FLOPs: see training_flops in workshop/flops.py"
         rows.append(
@@ -328,7 +329,7 @@ def figure_mfu(ctx):
                 figure,
                 achieved / 1e9,
                 "GFLOP/s",
-                f"torch.mm {settings.mm_size}^2 {name}",
+                f"torch.mm {side}^2 {name}",
                 peak / 1e9,
                 achieved / peak,
                 goal,
