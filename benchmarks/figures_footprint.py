@@ -31,6 +31,7 @@ from table import Goal, Row
 from timing import fresh_process_time, fresh_python_time, median_times, timed_call
 from workloads import (
     book_model,
+    book_model_step,
     quick_profile,
     quick_profile_sizes,
     synthetic_batches,
@@ -153,7 +154,7 @@ def memory_probe(spec):
     gpu = device.type == "cuda"
     if gpu:
         baseline = torch.cuda.memory_allocated(device) / 2**20
-    train = trainer(model)
+    train = trainer(model, **book_model_step())
     train(batches)
     train(batches)  # the second step: the optimizer's state exists by now
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if gpu else max_rss_mib()

@@ -11,8 +11,10 @@ and the profiler's own cost (each step's first row puts the profiled step beside
 unprofiled one, which shows that cost). Where bfloat16 is emulated (a CPU without
 bf16 instructions, where `train --bf16` trains in float32), a full run reports the
 bf16 rows skipped, as a step takes tens of seconds; --quick profiles them at its
-small sizes. These rows are the "before" of issue 43: each later change to the
-training path is judged against them.
+small sizes. The step profiled is the one a training run takes (workloads'
+run_step_options: the packed step where fast_step is on), so each change to the
+training path is judged by the same rows; docs/performance.md keeps the "before" of
+issue 43 beside them.
 
 How an op is judged (categorize): by its own name, its callers' names and, in the
 backward pass, the names of the forward op whose gradient it computes and of that
@@ -45,9 +47,11 @@ from workloads import (
     LOSS_MARK,
     OPTIMIZER_MARK,
     book_model,
+    book_model_step,
     budget_batches,
     multi30k_profile,
     run_model,
+    run_step_options,
     synthetic_batches,
     train_step,
 )
@@ -110,6 +114,16 @@ CATEGORIES = (
         ),
     ),
     Category(
+        "gather",
+        "gathers and scatters",
+        (  # tokens moved between tensors: workshop.fast's packed step, embeddings
+            *("aten::index", "aten::index_put*", "aten::_index_put_impl_"),
+            *("aten::index_select", "aten::index_add*", "aten::gather"),
+            *("aten::scatter*", "aten::cat", "aten::embedding*"),
+            *("aten::masked_select", "aten::masked_scatter*", "aten::nonzero"),
+        ),
+    ),
+    Category(
         "elementwise",
         "element-wise",
         (  # arithmetic and comparisons
@@ -134,7 +148,7 @@ CATEGORIES = (
 OTHER = Category("other", "other")  # what no pattern matches: the note names it
 PYTHON = Category("python", "Python/dispatch")  # the wall time no op accounts for
 BY_KEY = {c.key: c for c in (*CATEGORIES, PYTHON, OTHER)}
-ORDER = ("matmul", "attention", "elementwise", "casts", "loss", "optimizer")
+ORDER = ("matmul", "attention", "gather", "elementwise", "casts", "loss", "optimizer")
 ROWS = tuple(BY_KEY[key] for key in (*ORDER, "python", "other"))  # the table's
 ENGINE = "autograd::engine::evaluate_function: "  # a backward node's wrapper
 
@@ -331,11 +345,11 @@ def workloads(ctx, profile):
 
     def base(n, device):
         batches = synthetic_batches(n, sizes.vocab, profile.base_batch, device=device)
-        return book_model(sizes, device=device), {}, batches
+        return book_model(sizes, device=device), book_model_step(), batches
 
     def multi30k(n, device):
         model = run_model(config, vocab, seed=config.seed, device=device)
-        options = dict(smoothing=config.label_smoothing, warmup=config.warmup)
+        options = run_step_options(config)
         return model, options, budget_batches(n, vocab, tokens, device=device)
 
     return (

@@ -45,6 +45,7 @@ from workloads import (
     quick_profile,
     quick_profile_sizes,
     run_model,
+    run_step_options,
     synthetic_batches,
     target_tokens,
     trainer,
@@ -162,20 +163,9 @@ def multi30k_trainers(ctx, amp_dtype):
     config, vocab = multi30k_profile(), multi30k_profile().bpe_vocab_size
     trainers = {}
     for path, fast_step in (("fast", True), ("before", False)):
-        model = run_model(
-            dataclasses.replace(config, fast_step=fast_step),
-            vocab,
-            seed=config.seed,
-            device=ctx.device,
-        )
-        trainers[path] = trainer(
-            model,
-            amp_dtype,
-            packed=fast_step,
-            packed_loss=fast_step,
-            smoothing=config.label_smoothing,
-            warmup=config.warmup,
-        )
+        path_config = dataclasses.replace(config, fast_step=fast_step)
+        model = run_model(path_config, vocab, seed=config.seed, device=ctx.device)
+        trainers[path] = trainer(model, amp_dtype, **run_step_options(path_config))
     return trainers
 
 

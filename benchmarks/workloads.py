@@ -72,6 +72,23 @@ def run_model(config, vocab, seed=0, device="cpu"):
     return make_run_model(config, vocab, vocab).to(device)
 
 
+def run_step_options(config):
+    """training_parts' options for the step a training run with `config` takes: its
+    label smoothing and warm-up, and workshop.fast's packed step when fast_step."""
+    return dict(
+        smoothing=config.label_smoothing,
+        warmup=config.warmup,
+        packed=config.fast_step,
+        packed_loss=config.fast_step,
+    )
+
+
+def book_model_step():
+    """training_parts' options for book_model's model as a run trains it: the packed
+    step, where fast_step is on (RunConfig's default)."""
+    return dict(packed=RunConfig.fast_step, packed_loss=RunConfig.fast_step)
+
+
 def book_model(sizes, seed=0, device="cpu"):
     """run_model at `sizes`, with the run's other settings at their defaults."""
     config = RunConfig(N=sizes.N, d_model=sizes.d_model, d_ff=sizes.d_ff, h=sizes.h)

@@ -49,8 +49,8 @@ ROWS = {
         for step in ("base", "multi30k")
         for precision in ("fp32", "bf16")
         for row in (
-            *("step", "matmul", "attention", "elementwise", "casts", "loss"),
-            *("optimizer", "python", "other"),
+            *("step", "matmul", "attention", "gather", "elementwise", "casts"),
+            *("loss", "optimizer", "python", "other"),
         )
     ],
 }
@@ -269,6 +269,7 @@ def toy_step(workloads):
     w, w2 = torch.randn(16, 8, requires_grad=True), torch.randn(16, 5)
     w2.requires_grad_()
     buffer = torch.empty(4, 8, dtype=torch.bfloat16)
+    rows = torch.tensor([0, 2, 3])
 
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -276,7 +277,7 @@ def toy_step(workloads):
         q = h.float().view(1, 1, 4, 16)
         with sdpa_kernel(SDPBackend.MATH):  # attention as bmm, softmax, bmm
             a = F.scaled_dot_product_attention(q, q, q)
-        r = torch.relu(a.view(4, 16)).clone()
+        r = torch.relu(a.view(4, 16)).clone()[rows]  # three rows gathered
         with record_function(workloads.LOSS_MARK):
             loss = F.log_softmax(r @ w2, -1).mul(2.0).sum()
         loss.backward()
@@ -329,6 +330,7 @@ def test_profile_judges_an_op_by_its_name_its_callers_and_its_forward_op(
     assert kinds("aten::copy_", lambda e: e.cpu_parent is None) == {"casts"}
     assert kinds("aten::copy_", under("aten::clone")) == {"elementwise"}
     assert kinds("aten::relu") == kinds("aten::threshold_backward") == {"elementwise"}
+    assert kinds("aten::index") == kinds("aten::_index_put_impl_") == {"gather"}
     assert kinds("aten::_log_softmax_backward_data") == {"loss"}
     assert kinds("torch::autograd::AccumulateGrad") == {"other"}
     # By caller: the marks, and a cast's caller never makes it something else.
