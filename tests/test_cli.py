@@ -1087,7 +1087,7 @@ def test_a_results_log_replaces_the_committed_one_only_when_the_run_succeeds(
         assert result.returncode == 0, result.stderr
         ran = f"ran: -m workshop reproduce --profile quick --data-dir {data} "
         assert log.read_text(encoding="utf-8") == (
-            f"{ran}--out runs/quick\non stderr\n"
+            f"{ran}--out runs/quick --results results --images images\non stderr\n"
         )
 
 

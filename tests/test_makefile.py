@@ -1,7 +1,6 @@
-"""The Makefile's targets, run with a stand-in for the venv's Python that records
+"""The Makefile's test targets, run with a stand-in for the venv's Python that records
 what it was asked to do: `make test` is the quick tier, `make check` what CI runs,
-`make data test` hands the tests the folder that `data` has just filled, and
-`make results-PROFILE` writes its scores beside its log."""
+and `make data test` hands the tests the folder that `data` has just filled."""
 
 import os
 import shutil
@@ -16,12 +15,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 # Answers `-m workshop download --data-dir DIR` by making DIR, as the downloader
-# would, and `-m workshop reproduce` with a line for its log; every call is written
-# to the log with the data folder the tests would see.
+# would; every call is written to the log with the data folder the tests would see.
 STAND_IN = """#!/bin/sh
 echo "$* | data=${ANNOTATED_TRANSFORMER_DATA:-none}" >> "$LOG"
 if [ "$1 $2 $3" = "-m workshop download" ]; then mkdir -p "$5"; fi
-if [ "$1 $2 $3" = "-m workshop reproduce" ]; then echo "what reproduce printed"; fi
 """
 
 
@@ -88,22 +85,6 @@ def test_make_test_is_the_quick_tier_and_make_check_everything_ci_runs(make, tmp
     script = (REPO_ROOT / ".ci" / "run").read_text(encoding="utf-8")
     commands = [line.strip() for line in script.splitlines()]
     assert commands[-1] == "make check"
-
-
-def test_make_results_puts_the_scores_and_the_curve_beside_the_log(make, tmp_path):
-    """`make results-PROFILE` (`make multi30k`) asks reproduce for PROFILE.json and
-    .md in the log's folder, results/, and for the training curve in images/; a
-    reproduce left to its defaults writes them into its checkpoint folder."""
-    results, images, data = tmp_path / "results", tmp_path / "images", tmp_path / "d"
-    calls = make(
-        "results-smoke", f"RESULTS_DIR={results}", f"IMAGES_DIR={images}", data_dir=data
-    )
-    assert calls == [
-        f"-m workshop reproduce --profile smoke --data-dir {data} --out runs/smoke "
-        f"--results {results} --images {images} | data={data}"
-    ]
-    assert (results / "smoke.log").read_text() == "what reproduce printed\n"
-    assert not list(results.glob(".*.partial"))
 
 
 def test_make_html_runs_the_book_again_only_when_the_book_is_newer(tmp_path):
