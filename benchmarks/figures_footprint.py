@@ -110,7 +110,7 @@ def figure_startup(ctx):
             "s",
             goal=Goal("<", 60.0, on="value"),
             ok=exact,
-            note=f"exact copy: {'yes' if exact else 'NO'} for every seed",
+            note=f"every seed copied all 200 exactly: {'yes' if exact else 'NO'}",
         ),
         Row(
             "copy_task_exact",
