@@ -32,6 +32,7 @@ def make(tmp_path):
     env.pop("ANNOTATED_TRANSFORMER_DATA", None)
     env.pop("DATA_DIR", None)
     env.pop("CI", None)  # lint without node fails under CI=true; the stand-in has none
+    env.pop("PYTEST_ARGS", None)  # the outer run's extra pytest options, if any
 
     def run(*targets, data_dir):
         # Install stamps newer than every requirements file: nothing is installed.
