@@ -144,12 +144,20 @@ data: $(RUN_STAMP)
 PLAIN_CPU := ATEN_CPU_CAPABILITY=default EXPECT_CPU_CAPABILITY=DEFAULT \
 	MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41
 
+# Both run the tests in parallel, one pytest-xdist worker per core, with an equal
+# share of the cores each; each test file goes whole to one worker, and the files that
+# share an expensive fixture to the same one (tests/conftest.py). TEST_JOBS=0 runs
+# them in one process (for pdb, or to see the order), TEST_JOBS=4 in four.
+TEST_JOBS ?= auto
+PARALLEL = -n $(TEST_JOBS) --dist loadfile
+
 test: $(STAMP)
-	$(WITH_DATA) $(VENV_PYTHON) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(WITH_DATA) $(VENV_PYTHON) -m pytest $(PARALLEL) -m "not slow" $(PYTEST_ARGS)
 
 check: lint $(STAMP)
-	$(WITH_DATA) $(VENV_PYTHON) -m pytest $(PYTEST_ARGS)
-	$(WITH_DATA) $(PLAIN_CPU) $(VENV_PYTHON) -m pytest -m numerical $(PYTEST_ARGS)
+	$(WITH_DATA) $(VENV_PYTHON) -m pytest $(PARALLEL) $(PYTEST_ARGS)
+	$(WITH_DATA) $(PLAIN_CPU) $(VENV_PYTHON) -m pytest $(PARALLEL) -m numerical \
+		$(PYTEST_ARGS)
 
 # The notebook is written without outputs: the .py holds none to give it. The Chinese
 # one beside it takes the same code cells and the current translation of each markdown

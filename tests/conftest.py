@@ -46,11 +46,91 @@ NUMERICAL_MODULES = {
 EXPECT_CAPABILITY_ENV = "EXPECT_CPU_CAPABILITY"
 
 
+# `make test` and `make check` run the suite in parallel, in pytest-xdist workers
+# (`-n auto --dist loadfile`). Each file goes whole to one worker, so that its module
+# fixtures are made once; the tests below that share an expensive session fixture
+# go to one worker as one unit, so that it is made once too. (xdist's own
+# `loadgroup` cannot do this here: it renames each test's id, and pytest 9 ignores
+# the new name.) Keys: a file, a file's tests with one parameter ("file[id]"), or
+# one test ("file::test").
+COPY_SEED_1 = "the copy task from seed 1"  # trained_copy_task(1), one to two minutes
+SAME_WORKER = {
+    # built_site: `make site` executes the book (three to four minutes on 2 cores).
+    "test_notebook.py": "the executed book",
+    "test_site.py": "the executed book",
+    "test_part2_training.py[seed 1]": COPY_SEED_1,
+    "test_part2_training.py[seed 2]": "the copy task from seed 2",
+    "test_part5_decoding.py": COPY_SEED_1,
+    "test_workshop_kv_cache.py": COPY_SEED_1,
+    "test_cli.py::test_copy_trains_on_the_device_it_is_given_and_prints_the_copies": (
+        COPY_SEED_1
+    ),
+}
+# The units that take longest, started first, so that no worker is left with a long
+# one at the end while the other has nothing to do.
+LONGEST_FIRST = [
+    "the executed book",
+    "test_colab.py",
+    "test_cli.py",
+    COPY_SEED_1,
+    "the copy task from seed 2",
+]
+
+
+def worker_unit(nodeid):
+    """The unit of work a test is sent in: its shared fixture's, or its file's."""
+    file, _, rest = nodeid.partition("::")
+    name = Path(file).name
+    test, _, param = rest.partition("[")
+    keys = [f"{name}::{test}", f"{name}[{param.removesuffix(']')}]", name]
+    return next((SAME_WORKER[key] for key in keys if key in SAME_WORKER), name)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's
+def pytest_xdist_make_scheduler(config, log):
+    """For `--dist loadfile`: xdist's scheduler of scopes, with worker_unit's."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return worker_unit(nodeid)
+
+        def _assign_work_unit(self, node):
+            first = [unit for unit in LONGEST_FIRST if unit in self.workqueue]
+            for unit in reversed(first):
+                self.workqueue.move_to_end(unit, last=False)
+            super()._assign_work_unit(node)
+
+    return SharedFixtureScheduling(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         first_pass_only = item.get_closest_marker("first_pass_only")
         if item.path.name in NUMERICAL_MODULES and not first_pass_only:
             item.add_marker(pytest.mark.numerical)
+
+
+def usable_cores():
+    """The cores this process may run on (its affinity where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def pytest_configure(config):
+    # In an xdist worker: an equal share of the cores, for torch here and for the
+    # processes the tests start (a notebook's kernel, a command, the book's script),
+    # so that the workers' threads never outnumber the cores. The exactness tests
+    # compare runs made in one worker, on the same number of threads.
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        share = max(1, usable_cores() // int(workers))
+        torch.set_num_threads(share)
+        os.environ["OMP_NUM_THREADS"] = str(share)
 
 
 def pytest_sessionstart(session):

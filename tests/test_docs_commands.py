@@ -17,6 +17,7 @@ does the Python of translating.md's "From Python".
 """
 
 import contextlib
+import functools
 import io
 import itertools
 import re
@@ -99,7 +100,7 @@ def command_use(doc, line, text):
         words = list(itertools.takewhile(lambda w: w not in ELLIPSIS, words))
         return Documented(doc, line, text, words, True, stdin, stdout, elided)
     words = text.split()
-    names = build_parser().command_names
+    names = command_names()
     starts = words and (words[0] in names or words[0].startswith("--"))
     if starts and any(word.startswith("--") for word in words):
         return Documented(doc, line, text, words, False)
@@ -159,6 +160,13 @@ def read_page(path, root=REPO_ROOT):
 
 def build_parser():
     return cli.build_parser()
+
+
+@functools.cache
+def command_names():
+    """The commands' names, from one parser: the pages are read when this file is
+    collected, and a parser for each of their thousand spans took seconds."""
+    return build_parser().command_names
 
 
 @contextlib.contextmanager

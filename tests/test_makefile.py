@@ -14,6 +14,10 @@ pytestmark = pytest.mark.skipif(
     shutil.which("make") is None, reason="GNU make is not installed"
 )
 
+# Both tiers run in pytest-xdist workers, one per core, each test file whole in one
+# (tests/conftest.py's units of work).
+PARALLEL = "-n auto --dist loadfile"
+
 # Answers `-m workshop download --data-dir DIR` by making DIR, as the downloader
 # would; every call is written to the log with the data folder the tests would see.
 STAND_IN = """#!/bin/sh
@@ -33,6 +37,7 @@ def make(tmp_path):
     env.pop("DATA_DIR", None)
     env.pop("CI", None)  # lint without node fails under CI=true; the stand-in has none
     env.pop("PYTEST_ARGS", None)  # the outer run's extra pytest options, if any
+    env.pop("TEST_JOBS", None)  # and its number of workers
 
     def run(*targets, data_dir):
         # Install stamps newer than every requirements file: nothing is installed.
@@ -67,13 +72,13 @@ def test_make_data_test_hands_the_tests_the_folder_data_has_just_made(make, tmp_
     calls = make("data", "test", data_dir=data)
     download, tests = calls
     assert download.startswith(f"-m workshop download --data-dir {data}")
-    assert tests == f"-m pytest -m not slow | data={data}"
+    assert tests == f"-m pytest {PARALLEL} -m not slow | data={data}"
 
 
 def test_without_the_data_folder_the_tests_are_told_of_none(make, tmp_path):
     """Control: the folder is looked for, not assumed."""
     calls = make("test", data_dir=tmp_path / "absent")
-    assert calls == ["-m pytest -m not slow | data=none"]
+    assert calls == [f"-m pytest {PARALLEL} -m not slow | data=none"]
 
 
 def test_make_test_is_the_quick_tier_and_make_check_everything_ci_runs(make, tmp_path):
@@ -81,8 +86,8 @@ def test_make_test_is_the_quick_tier_and_make_check_everything_ci_runs(make, tmp
     ruff, full, plain = [c.partition(" | ")[0] for c in calls[:1] + calls[2:]]
     assert calls[1].startswith("ruff format --check")
     assert ruff == "ruff check ."
-    assert full == "-m pytest"  # every test, the slow ones included
-    assert plain == "-m pytest -m numerical"
+    assert full == f"-m pytest {PARALLEL}"  # every test, the slow ones included
+    assert plain == f"-m pytest {PARALLEL} -m numerical"
     script = (REPO_ROOT / ".ci" / "run").read_text(encoding="utf-8")
     commands = [line.strip() for line in script.splitlines()]
     assert commands[-1] == "make check"
@@ -126,3 +131,23 @@ def test_make_html_runs_the_book_again_only_when_the_book_is_newer(tmp_path):
     assert f"--output {zh_executed.name} " in line
     os.utime(book, None)  # the book changed: both are stale
     assert len(planned()) == 2
+
+
+def test_the_tests_sent_to_one_worker_together_exist():
+    """tests/conftest.py sends the tests that share an expensive fixture to one
+    xdist worker by file, test name and parameter: a renamed one would silently be
+    made twice."""
+    from conftest import SAME_WORKER, worker_unit
+
+    for key, unit in SAME_WORKER.items():
+        file, _, test = key.partition("::")
+        file, _, param = file.partition("[")
+        text = (REPO_ROOT / "tests" / file).read_text(encoding="utf-8")
+        assert not test or f"\ndef {test}(" in text, key
+        nodeid = f"tests/{file}::{test or 'test_any'}[{param.rstrip(']') or 'x'}]"
+        assert worker_unit(nodeid) == unit, key
+    part2 = "tests/test_part2_training.py::test_x"
+    seed_1 = worker_unit(part2 + "[seed 1]")
+    assert seed_1 == worker_unit("tests/test_part5_decoding.py::test_x")
+    assert worker_unit(part2 + "[seed 2]") not in (seed_1, "test_part2_training.py")
+    assert worker_unit(part2 + "[1000]") == "test_part2_training.py"
