@@ -22,6 +22,7 @@ PARALLEL = "-n auto --dist loadfile"
 # would; every call is written to the log with the data folder the tests would see.
 STAND_IN = """#!/bin/sh
 echo "$* | data=${ANNOTATED_TRANSFORMER_DATA:-none}" >> "$LOG"
+case "$*" in *"$FAIL_ON"*) [ -n "$FAIL_ON" ] && echo "failed: $*" && exit 3;; esac
 if [ "$1 $2 $3" = "-m workshop download" ]; then mkdir -p "$5"; fi
 """
 
@@ -39,7 +40,9 @@ def make(tmp_path):
     env.pop("PYTEST_ARGS", None)  # the outer run's extra pytest options, if any
     env.pop("TEST_JOBS", None)  # and its number of workers
 
-    def run(*targets, data_dir):
+    def run(*targets, data_dir, fail_on=""):
+        """The calls make made; with fail_on, the calls holding it exit 3, and run
+        returns make's CompletedProcess instead."""
         # Install stamps newer than every requirements file: nothing is installed.
         stamps = tmp_path / "installed", tmp_path / "installed-run"
         for stamp in stamps:
@@ -50,15 +53,18 @@ def make(tmp_path):
             f"STAMP={stamps[0]}",
             f"RUN_STAMP={stamps[1]}",
             f"DATA_DIR={data_dir}",
+            f"PLAIN_LOG={tmp_path / 'plain.log'}",
             "HAVE_NODE=",
         ]
         done = subprocess.run(
             ["make", "--no-print-directory", *targets, *overrides],
             cwd=REPO_ROOT,
-            env=env,
+            env={**env, "FAIL_ON": fail_on},
             capture_output=True,
             text=True,
         )
+        if fail_on:
+            return done
         assert done.returncode == 0, done.stderr
         return log.read_text().splitlines() if log.exists() else []
 
@@ -83,14 +89,29 @@ def test_without_the_data_folder_the_tests_are_told_of_none(make, tmp_path):
 
 def test_make_test_is_the_quick_tier_and_make_check_everything_ci_runs(make, tmp_path):
     calls = make("check", data_dir=tmp_path)
-    ruff, full, plain = [c.partition(" | ")[0] for c in calls[:1] + calls[2:]]
+    ruff = calls[0].partition(" | ")[0]
     assert calls[1].startswith("ruff format --check")
     assert ruff == "ruff check ."
+    # The two passes run at once: in either order in the log.
+    full, plain = sorted((c.partition(" | ")[0] for c in calls[2:]), key=len)
     assert full == f"-m pytest {PARALLEL}"  # every test, the slow ones included
-    assert plain == f"-m pytest {PARALLEL} -m numerical"
+    assert plain == "-m pytest -p no:cacheprovider -m numerical"  # in one process
     script = (REPO_ROOT / ".ci" / "run").read_text(encoding="utf-8")
     commands = [line.strip() for line in script.splitlines()]
     assert commands[-1] == "make check"
+
+
+@pytest.mark.parametrize("failing", ["-m numerical", "--dist loadfile"])
+def test_make_check_fails_when_either_pass_fails_and_prints_the_second(
+    make, tmp_path, failing
+):
+    """The second pass runs beside the first: its failure fails `make check` as the
+    first one's does, and its output is printed either way."""
+    done = make("check", data_dir=tmp_path, fail_on=failing)
+    assert done.returncode != 0
+    assert "The numerical tests on the plain code path" in done.stdout
+    failed = [line for line in done.stdout.splitlines() if line.startswith("failed:")]
+    assert len(failed) == 1 and failing in failed[0]
 
 
 def test_make_html_runs_the_book_again_only_when_the_book_is_newer(tmp_path):
