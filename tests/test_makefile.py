@@ -37,8 +37,10 @@ def make(tmp_path):
     env.pop("ANNOTATED_TRANSFORMER_DATA", None)
     env.pop("DATA_DIR", None)
     env.pop("CI", None)  # lint without node fails under CI=true; the stand-in has none
-    env.pop("PYTEST_ARGS", None)  # the outer run's extra pytest options, if any
-    env.pop("TEST_JOBS", None)  # and its number of workers
+    # Not the outer run's pytest options or workers, nor the variables of a make that
+    # runs this test (`make test TEST_JOBS=0` hands them on in MAKEFLAGS).
+    for name in ("PYTEST_ARGS", "TEST_JOBS", "MAKEFLAGS", "MFLAGS", "MAKELEVEL"):
+        env.pop(name, None)
 
     def run(*targets, data_dir, fail_on=""):
         """The calls make made; with fail_on, the calls holding it exit 3, and run
