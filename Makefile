@@ -137,8 +137,9 @@ data: $(RUN_STAMP)
 # top to bottom, the site and JupyterLab in Chromium, the Colab stand-in, the bench's
 # smoke run), and beside it the numerical tests (marker `numerical`, set in
 # tests/conftest.py) once more on the plain (non-AVX) code path of PyTorch, MKL and
-# oneDNN: a test that passes only on this CPU's kernels is broken. The second pass fails at once unless
-# torch reports the DEFAULT capability, so that it never just repeats the first. (Try
+# oneDNN: a test that passes only on this CPU's kernels is broken. The second pass
+# fails at once unless torch reports the DEFAULT capability, so that it never just
+# repeats the first. (Try
 # other paths with e.g. ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
 # ONEDNN_MAX_CPU_ISA=AVX2 EXPECT_CPU_CAPABILITY=AVX2.)
 PLAIN_CPU := ATEN_CPU_CAPABILITY=default EXPECT_CPU_CAPABILITY=DEFAULT \

@@ -46,7 +46,7 @@ NUMERICAL_MODULES = {
 EXPECT_CAPABILITY_ENV = "EXPECT_CPU_CAPABILITY"
 
 
-# `make test` and `make check` run the suite in parallel, in pytest-xdist workers
+# `make test` and the first pass of `make check` run in pytest-xdist workers
 # (`-n auto --dist loadfile`). Each file goes whole to one worker, so that its module
 # fixtures are made once; the tests below that share an expensive session fixture
 # go to one worker as one unit, so that it is made once too. (xdist's own
@@ -106,7 +106,6 @@ def pytest_xdist_make_scheduler(config, log):
     return SharedFixtureScheduling(config, log)
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         first_pass_only = item.get_closest_marker("first_pass_only")

@@ -14,8 +14,8 @@ pytestmark = pytest.mark.skipif(
     shutil.which("make") is None, reason="GNU make is not installed"
 )
 
-# Both tiers run in pytest-xdist workers, one per core, each test file whole in one
-# (tests/conftest.py's units of work).
+# `make test` and the first pass of `make check` run in pytest-xdist workers, one per
+# core, each test file whole in one (tests/conftest.py's units of work).
 PARALLEL = "-n auto --dist loadfile"
 
 # Answers `-m workshop download --data-dir DIR` by making DIR, as the downloader
