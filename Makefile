@@ -50,7 +50,7 @@ BOOK := the_annotated_transformer.py
 NOTEBOOK := notebooks/the_annotated_transformer.ipynb
 # The Chinese edition: the book's code cells, its prose from translations/zh/.
 ZH_NOTEBOOK := notebooks/the_annotated_transformer.zh.ipynb
-TRANSLATION := $(VENV_PYTHON) tools/translation.py
+TRANSLATION := $(VENV_PYTHON) -m tools.translation
 ALLOW_MISSING ?=
 
 .DEFAULT_GOAL := run
@@ -172,7 +172,7 @@ check: lint $(STAMP)
 
 # The notebook is written without outputs: the .py holds none to give it. The Chinese
 # one beside it takes the same code cells and the current translation of each markdown
-# cell (tools/translation.py); a cell whose English changed stops it, naming the cell.
+# cell (tools.translation); a cell whose English changed stops it, naming the cell.
 notebook: $(STAMP)
 	mkdir -p $(dir $(NOTEBOOK))
 	$(BIN)/jupytext --to ipynb --output $(NOTEBOOK) $(BOOK)
@@ -181,8 +181,8 @@ notebook: $(STAMP)
 # After an edit of the book's English prose: the catalogue takes the new English
 # (a changed cell keeps its old translation, marked fuzzy), then the Chinese notebook
 # is built from it. Translate the fuzzy and empty entries of translations/zh/*.po
-# (or merge translated PO files: tools/translation.py merge FILE...), drop their
-# fuzzy flag, and run it again.
+# (or merge translated PO files: python -m tools.translation merge FILE...), drop
+# their fuzzy flag, and run it again.
 translations: $(STAMP)
 	$(TRANSLATION) extract zh
 	$(TRANSLATION) build zh $(if $(ALLOW_MISSING),--allow-missing)
@@ -227,8 +227,8 @@ FORCE:
 # that fetches nothing: MathJax inlined, images embedded. `make site` uses the same
 # exporter.
 html: $(STAMP) $(EXECUTED) $(ZH_EXECUTED)
-	$(VENV_PYTHON) tools/export_html.py $(EXECUTED)
-	$(VENV_PYTHON) tools/export_html.py --lang zh $(ZH_EXECUTED)
+	$(VENV_PYTHON) -m tools.export_html $(EXECUTED)
+	$(VENV_PYTHON) -m tools.export_html --lang zh $(ZH_EXECUTED)
 
 # The website: the book executed (quick profile unless ANNOTATED_TRANSFORMER_PROFILE
 # says otherwise) as site/index.html, which fetches nothing, beside site/images/ and the
@@ -238,7 +238,7 @@ html: $(STAMP) $(EXECUTED) $(ZH_EXECUTED)
 SITE_DIR ?= site
 
 site: $(STAMP) $(NEEDS_DATA)
-	$(VENV_PYTHON) tools/build_site.py --out $(SITE_DIR)
+	$(VENV_PYTHON) -m tools.build_site --out $(SITE_DIR)
 
 # JupyterLab on the book, served from this folder, with the venv's kernel first on
 # the kernel search path (a `python3` kernel of the user's own cannot shadow it;
@@ -276,9 +276,8 @@ lab: $(LAB_STAMP) $(NEEDS_DATA)
 figures: $(RUN_STAMP)
 	$(VENV_PYTHON) -m workshop figures --out images/
 
-# bench.py imports the book and workshop/ from the repository root.
 bench: $(RUN_STAMP)
-	$(WITH_DATA) PYTHONPATH="$(CURDIR)" $(VENV_PYTHON) benchmarks/bench.py
+	$(WITH_DATA) $(VENV_PYTHON) -m benchmarks
 
 # The README's Results row for the multi30k profile: train (under an hour on a
 # 2-core CPU), average the last checkpoints, choose the checkpoint, the beam size and

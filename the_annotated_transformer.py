@@ -248,7 +248,7 @@ def check_positive_int(**sizes):
 # every token written so far: the model is *autoregressive*
 # ([Graves, 2013](https://arxiv.org/abs/1308.0850)).
 #
-# Two drawings of the same model, both made by our own code (`workshop/figures.py`).
+# Two drawings of the same model, both made by our own code (`tools/diagrams.py`).
 # The first is the paper's layout, its Figure 1: each sub-layer is followed by an
 # "Add & Norm" block (*post-norm*).
 #
@@ -792,11 +792,12 @@ show_example(example_why_scale)
 # d_{\text{model}}$ linear layer whose output is split into $h$ slices, and likewise for
 # $K$, $V$ and $W^O$: that is the four linear layers in `self.linears`.
 #
-# Each layer keeps the weights of its last call in `.attn` (without their autograd
-# graph), for the attention maps of Part 5.
-#
-# > **Note (speed, outside the book).** The workshop's training runs compute the heads
-# > with PyTorch's fused `scaled_dot_product_attention`, tested equal to this class.
+# `attend` holds two ways to compute the heads, side by side. In training mode it calls
+# PyTorch's fused `F.scaled_dot_product_attention`, which computes Eq. (1), dropout
+# included, in one kernel without storing the weights: that is what makes training
+# fast. In eval mode it calls `attention` above and keeps the weights of its last
+# call in `.attn` (without their autograd graph), for the attention maps of Part 5.
+# The tests check that the two ways give the same output.
 #
 # > **Changed.** The original gave every attention layer a dropout of 0.1 whatever
 # > `make_model` was asked for; ours passes the model's dropout through.
@@ -837,9 +838,13 @@ class MultiHeadedAttention(nn.Module):
 
     def attend(self, query, key, value, mask=None):
         """2) Attend in every head at once; 3) join the heads and project with W^O."""
-        mask = None if mask is None else mask.unsqueeze(1)  # the same for every head
-        x, p_attn = attention(query, key, value, mask, self.dropout)
-        self.attn = p_attn.detach()  # for inspection only: keep no autograd graph
+        mask = None if mask is None else mask.unsqueeze(1) != 0  # same for every head
+        if self.training:  # PyTorch's fused kernel: the same Eq. (1), no weights kept
+            p = self.dropout.p
+            x = F.scaled_dot_product_attention(query, key, value, mask, dropout_p=p)
+        else:  # the function above, keeping the weights for the attention maps
+            x, p_attn = attention(query, key, value, mask, self.dropout)
+            self.attn = p_attn.detach()  # for inspection only: no autograd graph
         x = x.transpose(1, 2).contiguous().view(x.size(0), -1, self.h * self.d_k)
         return self.linears[-1](x)  # (batch, seq, h * d_k) -> (batch, seq, d_model)
 
@@ -881,7 +886,7 @@ def example_attention_by_hand():
     W_K = [[0, 1, 0, 1], [1, 0, 0, 1], [1, 0, 1, 1], [1, 1, 0, 0]]
     W_V = [[1, 1, 0, 0], [1, 0, 0, 1], [0, 1, 1, 0], [0, 1, 1, 1]]
     W_O = [[1, 0, 0, 1], [0, 1, 0, 0], [1, 0, 1, 0], [0, 0, 1, 1]]
-    mha = MultiHeadedAttention(h=2, d_model=4, dropout=0.0)
+    mha = MultiHeadedAttention(h=2, d_model=4, dropout=0.0).eval()
     with torch.no_grad():
         for linear, w in zip(mha.linears, (W_Q, W_K, W_V, W_O), strict=True):
             linear.weight.copy_(torch.tensor(w).T)  # nn.Linear computes x @ weight.T
@@ -1737,7 +1742,7 @@ def run_epoch(
                 else:
                     loss = eval_loss(loss_compute, out, batch)
             total_loss += loss.detach().float()  # stays on the device
-            if mode == "train+log" and state.step % log_every == 1:
+            if mode == "train+log" and (state.step - 1) % log_every == 0:
                 print_progress(state, loss.item(), batch, optimizer)
         if training:
             take_step(optimizer, scheduler, state)
@@ -1901,8 +1906,11 @@ show_example(chart_learning_rate)
 # correct one nor padding, and positions whose target is padding contribute nothing.
 #
 # `smoothed_targets` builds $q$, one row per target position (the chart below shows
-# it), and `forward` sums the divergence over every row with `F.kl_div`, which
-# counts a zero of $q$ as contributing nothing.
+# it). `forward` never builds it: $q$ takes only two values, so a row's divergence
+# $\sum_c q_c (\log q_c - x_c)$ is a constant $\sum_c q_c \log q_c$, less
+# `confidence` times the right word's log-probability, less `spread` times the sum of
+# the others but padding's. That is three reductions instead of a table of the
+# vocabulary's size per position; the tests check it against `F.kl_div` on $q$.
 #
 # > **Note.** The KL divergence differs from the cross-entropy $-\sum_c q_c \log p_c$
 # > only by $\sum_c q_c \log q_c$, a constant that depends on $\epsilon_{ls}$ and the
@@ -1910,9 +1918,6 @@ show_example(chart_learning_rate)
 # > `cross_entropy(..., label_smoothing=)` spreads its $\epsilon$ over *all* classes,
 # > padding and the correct one included; the test in `tests/` shows the two agree
 # > once the padding column is removed and $\epsilon$ is rescaled accordingly.
-#
-# > **Note (speed, outside the book).** $q$ takes only two values, so the sum can be
-# > written without building it; the workshop's runs do that, tested equal to this one.
 
 
 # %%
@@ -1930,6 +1935,9 @@ class LabelSmoothing(nn.Module):
         self.padding_idx, self.size = padding_idx, size
         self.confidence, self.smoothing = 1.0 - smoothing, smoothing
         self.spread = smoothing / (size - 2)  # q of a word not the target nor padding
+        values = ((1.0 - smoothing, 1), (self.spread, size - 2))  # (q_c, how many)
+        # sum_c q_c log q_c, the same for every row whose target is not padding:
+        self.neg_entropy = sum(n * q * math.log(q) for q, n in values if q > 0)
         self.last_target = None  # the target ids of the last call, for true_dist
 
     def smoothed_targets(self, target, dtype=None):
@@ -1951,7 +1959,13 @@ class LabelSmoothing(nn.Module):
     def forward(self, x, target):
         """x: (n, size) log-probabilities; target: (n,) ids. Returns the summed loss."""
         self.last_target = target.detach()
-        return F.kl_div(x, self.smoothed_targets(target, x.dtype), reduction="sum")
+        # sum_c q_c (log q_c - x_c), with q's two values taken out of the sum.
+        x_target = x.gather(1, target.unsqueeze(1)).squeeze(1)  # (n,)
+        loss = self.neg_entropy - self.confidence * x_target
+        if self.spread > 0:  # the words that are neither the target nor padding
+            x_others = x.sum(1) - x[:, self.padding_idx] - x_target
+            loss = loss - self.spread * x_others
+        return loss.masked_fill(target == self.padding_idx, 0.0).sum()
 
 
 # %% [markdown]
@@ -2628,6 +2642,9 @@ class SmoothingOnPadding(LabelSmoothing):
         q[target == self.padding_idx] = 0  # positions whose target is padding
         return q
 
+    def forward(self, x, target):  # the KL divergence to this q, by its definition
+        return F.kl_div(x, self.smoothed_targets(target, x.dtype), reduction="sum")
+
 
 def loss_floor(bug, smoothing=0.1, V=11):
     """Label smoothing's lowest loss per token, at the best model p = q / sum(q)."""
@@ -2834,7 +2851,7 @@ def tokenize(text, tokenizer):
 # `Vocab` also answers the calls the original code made of torchtext's vocabulary
 # (`lookup_tokens`, `get_stoi`, `get_itos`, `vocab[token]`, `token in vocab`): the
 # folded cell below defines them. A vocabulary is its list of tokens, `itos`, so the
-# workshop saves it as JSON (`workshop/checkpoints.py`): safe to load, and readable.
+# workshop saves it as JSON (`workshop/run/checkpoints.py`): safe to load, and readable.
 
 # %%
 BOS, EOS, PAD, UNK = 0, 1, 2, 3
@@ -3591,17 +3608,17 @@ show_example(example_embedding_start)
 # %%
 def cached_layer(layer, x, memory, src_mask, cache, start):
     """One DecoderLayer over new positions start.. of the target, x: (batch, new,
-    d_model), reading and extending the layer's `cache` (a dict)."""
+    d_model), reading and writing the layer's `cache` (a dict of buffers)."""
     self_attn, src_attn = layer.self_attn, layer.src_attn
+    end = start + x.size(1)
     # New positions see every earlier position and themselves: rows start.. of the
-    # look-ahead mask (with one new position, a row of all True).
-    mask = subsequent_mask(start + x.size(1), x.device)[:, start:]
+    # look-ahead mask (one new position sees them all: no mask needed).
+    mask = subsequent_mask(end, x.device)[:, start:] if x.size(1) > 1 else None
 
     def attend_to_prefix(x):
         q, k, v = (self_attn.heads(lin, x) for lin in self_attn.linears[:3])
-        if "k" in cache:  # (batch, h, cached + new, d_k)
-            k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
-        cache["k"], cache["v"] = k, v
+        cache["k"][:, :, start:end], cache["v"][:, :, start:end] = k, v  # in place
+        k, v = cache["k"][:, :, :end], cache["v"][:, :, :end]  # (batch, h, end, d_k)
         return self_attn.attend(q, k, v, mask)
 
     def attend_to_source(x):
@@ -3618,33 +3635,53 @@ def cached_layer(layer, x, memory, src_mask, cache, start):
 
 # %% [markdown]
 # A `KVCache` holds one dictionary per decoder layer and the number of positions it
-# has seen. `step` is `decode_step` for the positions it has not seen yet; `reorder`
-# keeps (and repeats) the rows of chosen hypotheses, for beam search below. Pass a
-# fresh one to `greedy_decode(..., cache=KVCache(model))`.
+# has seen. The keys and values live in buffers of `capacity` positions, made at
+# the first step; each step writes its new position into its slot, and attention
+# reads the positions held so far, a view of the buffer, so nothing is copied.
+# When a sentence outgrows the buffers they are replaced by ones twice the size.
+# `step` is `decode_step` for the positions it has not seen yet; `reorder` keeps
+# (and repeats) the rows of chosen hypotheses, for beam search below. Pass a fresh
+# one to `greedy_decode(..., cache=KVCache(model))`.
 
 
 # %%
 class KVCache:
     """The keys and values of the target positions decoded so far, per layer.
 
-    KVCache(model), fresh for each batch: pass it to greedy_decode(..., cache=) or
-    use cached_greedy_decode; step() is decode_step for new positions only and
-    reorder(rows) keeps chosen rows (beam search). It runs the model's own layers.
+    KVCache(model, max_len=None), fresh for each batch: pass it to
+    greedy_decode(..., cache=) or use cached_greedy_decode; step() is decode_step
+    for new positions only and reorder(rows) keeps chosen rows (beam search). It
+    runs the model's own layers; max_len sizes its buffers (they grow if needed).
     """
 
-    def __init__(self, model):
+    def __init__(self, model, max_len=None):
         self.layers = [{} for _ in model.decoder.layers]
-        self.length = 0  # target positions held
+        self.length, self.capacity = 0, max_len or 64  # target positions held, room
 
     def step(self, model, memory, src_mask, ys):
         """decode_step for the prefixes ys, running only positions not held yet."""
         start, end = self.length, ys.size(1)
+        self.make_room(model, ys.size(0), end)
         embed, position = model.tgt_embed
         x = position.dropout(embed(ys[:, start:]) + position.pe[:, start:end])
         for layer, cache in zip(model.decoder.layers, self.layers, strict=True):
             x = cached_layer(layer, x, memory, src_mask, cache, start)
         self.length = end
         return model.generator(model.decoder.norm(x)[:, -1])
+
+    def make_room(self, model, rows, end):
+        """Buffers (rows, h, capacity, d_k) per layer that hold `end` positions."""
+        if self.layers[0] and end <= self.capacity:
+            return
+        while end > self.capacity:
+            self.capacity *= 2
+        attn, weight = model.decoder.layers[0].self_attn, model.generator.proj.weight
+        for cache in self.layers:
+            for name in ("k", "v"):
+                buffer = weight.new_empty(rows, attn.h, self.capacity, attn.d_k)
+                if name in cache:  # keep the positions held
+                    buffer[:, :, : self.length] = cache[name][:, :, : self.length]
+                cache[name] = buffer
 
     def reorder(self, rows):
         """Keep the cached rows `rows` (a tensor of row indices), in that order."""
@@ -3712,18 +3749,17 @@ show_example(example_cache)
 # The paper (§6.1) used beam size $k = 4$, $\alpha = 0.6$ and a maximum output length of the
 # input length plus 50, stopping early when possible; those are the defaults here.
 #
-# `beam_search_one` searches for one sentence. Its $k$ hypotheses are the rows of one
-# decoder batch, and after each step the key/value cache is re-ordered so that every
-# row keeps the cache of the hypothesis it extends. Each step ranks all
-# extensions by total log-probability and looks at the best $2k$: at most $k$ of them
-# can end in `</s>`, so among $2k$ there are always $k$ that go on. An extension that
-# ends counts as finished only if it ranks among the best $k$, that is, only if it
-# would have made the beam; a lower-ranked ending was beaten by $k$ live hypotheses.
-# `beam_search` runs it for each sentence of a batch in turn. With `beam_size=1` it
-# makes greedy decoding's choices.
-#
-# > **Note (speed, outside the book).** The workshop searches a whole batch at once,
-# > the $k$ hypotheses of $B$ sentences as $B \cdot k$ rows, tested to find the same.
+# `beam_search` searches a whole batch at once: the $k$ hypotheses of each of the $B$
+# sentences are $B \cdot k$ rows of one decoder batch, and after each step the
+# key/value cache is re-ordered so that every row keeps the cache of the hypothesis
+# it extends. For each sentence, a step ranks all extensions of its $k$ rows by total
+# log-probability and looks at the best $2k$: at most $k$ of them can end in `</s>`,
+# so among $2k$ there are always $k$ that go on. `next_beams` walks them in order. An
+# extension that ends counts as finished only if it ranks among the best $k$, that
+# is, only if it would have made the beam; a lower-ranked ending was beaten by $k$
+# live hypotheses. A sentence with $k$ finished hypotheses leaves the batch. With
+# `beam_size=1` it makes greedy decoding's choices; the tests check that a sentence
+# searched in a padded batch finds what it finds alone.
 #
 # > **Note (sampling, outside the book).** Greedy decoding and beam search both look
 # > for the *most likely* translation. Sampling instead draws each next token from
@@ -3740,58 +3776,74 @@ def length_penalty(length, alpha=0.6):
 
 
 # %%
-def beam_search_one(model, memory, src_mask, max_len, start, end, k, alpha):
-    """Beam-search one encoded sentence (memory: (1, n, d_model)); returns its
-    finished hypotheses as (score / length penalty, ids with <s>), best first."""
-    ys = torch.full((1, 1), start, device=memory.device)
-    scores = torch.zeros(1, device=memory.device)  # each row's summed log-prob
-    cache, finished = KVCache(model), []
-    for step in range(1, max_len):
-        n = ys.size(0)  # hypotheses in the beam: 1 at first, then up to k
-        log_probs = decode_step(model, memory.expand(n, -1, -1), src_mask, ys, cache)
-        total = (scores.unsqueeze(1) + log_probs).view(-1)
-        # The best 2k: at most k of them end, so at least k can go on.
-        best = [t.tolist() for t in total.topk(min(2 * k, total.numel()))]
-        beam = []  # (row, token, score) of the hypotheses that go on
-        for rank, (score, flat) in enumerate(zip(*best, strict=True)):
-            if len(finished) >= k or len(beam) == k:
+def next_beams(total, ys, searched, finished, step, k, end, pad, alpha, last):
+    """One step of every sentence's search. total: (sentences, k, vocab), each
+    extension's summed log-probability. Returns (row, token, score) for the rows
+    that go on, k per sentence still searched (a short beam is filled with dead
+    rows of score -inf), and those sentences' indices; extensions that end and
+    would have made the beam join finished[sentence] as (score / lp, ids)."""
+    vocab, chosen, kept = total.size(-1), [], []
+    best = total.flatten(1).topk(min(2 * k, total[0].numel()))  # (sentences, 2k)
+    # One read from the device a step: float64 holds the scores and ids exactly.
+    best = torch.stack([best.values.double(), best.indices.double()], 1).tolist()
+    for i, (scores, flats) in enumerate(best):
+        beam, done = [], finished[searched[i]]
+        for rank, (score, flat) in enumerate(zip(scores, flats, strict=True)):
+            if len(done) >= k or len(beam) == k or score == -math.inf:
                 break
-            row, token = divmod(flat, log_probs.size(-1))
-            if token == end or step == max_len - 1:
-                if rank < k:  # it would have made the beam: a finished hypothesis
-                    ids = ys[row].tolist() + [token]
-                    finished.append((score / length_penalty(step, alpha), ids))
-            else:
+            row, token = i * k + int(flat) // vocab, int(flat) % vocab
+            if token != end and not last:
                 beam.append((row, token, score))
-        if len(finished) >= k or not beam:
-            break
-        columns = zip(*beam, strict=True)
-        rows, tokens, scores = (torch.tensor(c, device=ys.device) for c in columns)
-        cache.reorder(rows)  # each row keeps the cache of the hypothesis it extends
-        ys = torch.cat([ys[rows], tokens.unsqueeze(1)], dim=1)
-    return sorted(finished, key=lambda hypothesis: -hypothesis[0])
+            elif rank < k:  # it would have made the beam: a finished hypothesis
+                ids = ys[row].tolist() + [token]
+                done.append((score / length_penalty(step, alpha), ids))
+        if beam and len(done) < k:
+            kept.append(i)
+            chosen += beam + [(i * k, pad, -math.inf)] * (k - len(beam))
+    return chosen, kept
 
 
 # %%
-def beam_search(model, src, src_mask, max_len, start_symbol, end_symbol, **options):
-    """Beam-search each sentence of a batch (options: beam_size=4, alpha=0.6,
-    pad_symbol); returns the best ids of each, with <s>: (batch, <= max_len).
-
-    Same arguments as greedy_decode, and the same shapes; the best hypothesis is the
-    one with the highest log-probability divided by GNMT's length penalty.
-    """
-    k, alpha = options.get("beam_size", 4), options.get("alpha", 0.6)
+def beam_search(
+    model, src, src_mask, max_len, start_symbol, end_symbol, beam_size=4, **options
+):
+    """Beam-search a batch: (batch, <= max_len) best ids with <s>, or for n_best > 1
+    per sentence its n_best (ids, score) best first. Rows of ys: k per sentence.
+    options: alpha=0.6 (the length penalty's), pad_symbol, n_best=1, cache."""
+    k, alpha, n_best = beam_size, options.get("alpha", 0.6), options.get("n_best", 1)
     pad = options.get("pad_symbol", end_symbol)
-    best = []
+    if src_mask is None:  # no padding: every source position may be attended
+        src_mask = torch.ones_like(src[:, None], dtype=torch.bool)
     with evaluating(model), torch.no_grad():
-        memory = model.encode(src, src_mask)
-        for b in range(src.size(0)):
-            one = (memory[b : b + 1], src_mask[b : b + 1], max_len, start_symbol)
-            finished = beam_search_one(model, *one, end_symbol, k, alpha)
-            _, top_ids = finished[0] if finished else (None, [start_symbol])
-            best.append(torch.tensor(top_ids))
-    padded = torch.nn.utils.rnn.pad_sequence(best, batch_first=True, padding_value=pad)
-    return padded.to(src)
+        memory = model.encode(src, src_mask).repeat_interleave(k, 0)  # (B * k, ...)
+        src_mask = src_mask.repeat_interleave(k, 0)
+        ys = torch.full_like(src[:, :1], start_symbol).repeat_interleave(k, 0)
+        scores = torch.full((src.size(0), k), -math.inf, device=src.device)
+        scores[:, 0] = 0.0  # each beam starts as one hypothesis: <s>
+        cache = options.get("cache") or KVCache(model, max_len)
+        finished = [[] for _ in src]  # per sentence: (score / lp, ids)
+        searched = list(range(src.size(0)))  # the sentences still in the batch
+        for step in range(1, max_len):
+            log_probs = decode_step(model, memory, src_mask, ys, cache)  # (B*k, V)
+            total = scores.unsqueeze(-1) + log_probs.view(*scores.shape, -1)
+            ends = (end_symbol, pad, alpha, step == max_len - 1)
+            chosen, kept = next_beams(total, ys, searched, finished, step, k, *ends)
+            if not kept:
+                break
+            chosen = torch.tensor(chosen, dtype=torch.float64, device=ys.device)
+            rows, tokens = chosen[:, 0].long(), chosen[:, 1].to(ys)  # one copy
+            ys = torch.cat([ys[rows], tokens[:, None]], dim=1)
+            scores = chosen[:, 2].to(log_probs).view(-1, k)
+            if len(kept) < len(searched):  # some sentences are done: drop their rows
+                memory, src_mask = memory[rows], src_mask[rows]
+            cache.reorder(rows)  # each row keeps the cache of the hypothesis it extends
+            searched = [searched[i] for i in kept]
+    best = [sorted(f, key=lambda h: -h[0])[:n_best] for f in finished]
+    if n_best > 1:
+        return [[(ids, score) for score, ids in hypotheses] for hypotheses in best]
+    top = [h[0][1] if h else [start_symbol] for h in best]  # each sentence's best
+    longest = max(len(ids) for ids in top)
+    return torch.tensor([ids + [pad] * (longest - len(ids)) for ids in top]).to(src)
 
 
 # %% [markdown]
@@ -3820,11 +3872,11 @@ show_example(example_beam_search)
 
 
 # %% [markdown]
-# What does the beam hold at each step? `beam_steps` runs `beam_search_one`,
+# What does the beam hold at each step? `beam_steps` runs `beam_search`,
 # unchanged, on one sentence and watches it through a *forward hook* on the
 # generator: PyTorch calls the hook with every output of `model.generator`, so it
 # sees each step's log-probabilities of the next token, one row per hypothesis in the
-# beam. The next step has one row per hypothesis the search kept, and the search
+# beam ($k$ rows; at the first step only the row of `<s>` counts). The search
 # keeps the extensions with the best total log-probability $\log P$ that do not end
 # in `</s>`; so replaying that rule on what the hook saw gives every step's beam, each
 # hypothesis with its ids and its $\log P$. The tests check the replay: each kept
@@ -3834,18 +3886,20 @@ show_example(example_beam_search)
 
 # %%
 def beam_steps(model, src_ids, k=4, alpha=0.6, start=BOS, end=EOS):
-    """beam_search_one's finished hypotheses for one sentence, and each step's beam."""
+    """beam_search's finished hypotheses for one sentence, and each step's beam."""
     src = torch.tensor([src_ids], device=next(model.parameters()).device)
-    seen = []  # each step's log-probabilities of the next token: (rows, vocab)
+    seen = []  # each step's log-probabilities of the next token: (k rows, vocab)
     hook = model.generator.register_forward_hook(lambda m, x, out: seen.append(out))
-    search = (None, len(src_ids) + 50, start, end, k, alpha)  # one sentence: no mask
-    with evaluating(model), torch.no_grad(), hook:  # the hook is removed after it
-        finished = beam_search_one(model, model.encode(src, None), *search)
-    beams, beam, scores = [], [[start]], torch.zeros(1, device=src.device)
-    for log_probs, after in zip(seen, seen[1:], strict=False):
-        total = scores.unsqueeze(1) + log_probs  # (rows, vocab)
+    search = (None, len(src_ids) + 50, start, end, k)  # one sentence: no mask
+    with hook:  # the hook is removed after it
+        found = beam_search(model, src, *search, alpha=alpha, n_best=k)[0]
+    finished = [(score, ids) for ids, score in found]
+    beams, beam, scores = [], [[start]] * k, torch.full((k,), -math.inf)
+    scores[0] = 0.0  # the first step extends <s> alone
+    for log_probs in seen[:-1]:
+        total = scores.to(log_probs).unsqueeze(1) + log_probs  # (k, vocab)
         total[:, end] = -math.inf  # an ending hypothesis leaves the beam
-        scores, flat = total.view(-1).topk(len(after))  # `after`: a row per kept one
+        scores, flat = total.view(-1).topk(k)  # the k best that go on
         beam = [beam[i // total.size(1)] + [i % total.size(1)] for i in flat.tolist()]
         beams.append(list(zip(beam, scores.tolist(), strict=True)))  # (ids, log P)s
     return finished, beams
@@ -4159,9 +4213,8 @@ def bleu(translator, pairs, **options):
 #
 # The notebook's own model, trained above on the chosen profile, scored the same way
 # on the 2016 test set, greedy with the key/value cache. (Beam search scores it too,
-# with `Translator.translate(..., decode=beam_search)`, one sentence at a time; the
-# command line's `evaluate --beam 4` uses the workshop's batched search, which
-# is much faster on 1,000 sentences.)
+# with `Translator.translate(..., decode=beam_search)`, as the command line's
+# `evaluate --beam 4` does.)
 
 
 # %%
@@ -4404,6 +4457,7 @@ show_example(example_attention_maps)
 # | `mtx2df`, `attn_map`, `get_encoder`, `get_decoder_self`, `get_decoder_src`, `visualize_layer` | `grid`, `attention_weights`, `attention_table`, `chart_attention_explorer` |
 # | `example_mask`, `example_positional`, `example_learning_schedule`, `example_label_smoothing`, `penalization_visualization`, `loss` | `chart_subsequent_mask`, `chart_positional_waves`, `chart_learning_rate`, `chart_label_smoothing`, `chart_penalization`, `smoothed_loss_for_confidence` |
 # | `LabelSmoothing.true_dist`, an attribute set in `forward` | a property computed from the last targets |
+# | `MultiHeadedAttention.attn`, the weights of every call | kept by calls in eval mode (decoding, the attention maps); training mode computes with the fused kernel and keeps none |
 # | `is_interactive_notebook` | `in_notebook` |
 #
 # The 2018/2022 notebook built its masks as floats (`torch.ones(1, 1, 10)`) and as

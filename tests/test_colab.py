@@ -1,12 +1,12 @@
-"""The notebook where learners open it: alone, in Google Colab (issue 42).
+"""The notebook where learners open it: alone, in Google Colab.
 
 A lone notebook has no checkout beside it: what it imports later must be installed
 by its own setup cell when missing, its figures must be addresses on the
 repository's main, and the committed run's Results must be in its text. The
-repository's address is written once (pyproject.toml, read by tools/repository.py)
+repository's address is written once (pyproject.toml, read by tools.repository)
 and every link is derived from it. The last tests run the notebook alone in
 .venv-colab, which holds Colab's versions (requirements-colab.txt; `make
-setup-colab`, which .ci/run runs). The Chinese edition (issue 37) has the same
+setup-colab`, which .ci/run runs). The Chinese edition has the same
 button and the same tests of links and figures; its run is the English one's, since
 it runs the same code cells (the last test checks that).
 """
@@ -24,11 +24,9 @@ import pytest
 from conftest import skip_or_fail_in_ci
 
 import the_annotated_transformer as tat
+from tools import repository, results_table
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-import repository  # noqa: E402
-import results_table  # noqa: E402
 
 NOTEBOOK = "notebooks/the_annotated_transformer.ipynb"
 ZH_NOTEBOOK = "notebooks/the_annotated_transformer.zh.ipynb"
@@ -153,14 +151,18 @@ def test_a_fork_sets_one_line_and_relinks(tmp_path):
 
 def test_the_site_workflow_stops_when_the_address_is_not_this_repositorys():
     here = repository.repository()
-    check = [sys.executable, str(REPO_ROOT / "tools" / "repository.py"), "--check"]
-    same = subprocess.run([*check, here.upper()], capture_output=True, text=True)
+    check = [sys.executable, "-m", "tools.repository", "--check"]
+    same = subprocess.run(
+        [*check, here.upper()], cwd=REPO_ROOT, capture_output=True, text=True
+    )
     assert same.returncode == 0, same.stderr  # GitHub's names ignore case
-    other = subprocess.run([*check, "a-fork/of-it"], capture_output=True, text=True)
+    other = subprocess.run(
+        [*check, "a-fork/of-it"], cwd=REPO_ROOT, capture_output=True, text=True
+    )
     assert other.returncode == 1
     assert "set that line to https://github.com/a-fork/of-it" in other.stderr
     workflow = (REPO_ROOT / ".github" / "workflows" / "site.yml").read_text()
-    assert 'tools/repository.py --check "${{ github.repository }}"' in workflow
+    assert 'tools.repository --check "${{ github.repository }}"' in workflow
 
 
 # ---------------------------------------------------------------------------
@@ -182,7 +184,7 @@ def test_every_figure_of_the_book_is_an_address_of_a_committed_file_on_main(
 
 
 def test_the_books_results_table_is_the_committed_runs():
-    """tools/results_table.py renders results/multi30k.json with the workshop's own
+    """tools.results_table renders results/multi30k.json with the workshop's own
     Markdown; the book holds exactly those lines (rerun it after `make multi30k`)."""
     book = (REPO_ROOT / "the_annotated_transformer.py").read_text(encoding="utf-8")
     lines = [f"# {line}".rstrip() for line in results_table.results_lines()]
@@ -297,7 +299,7 @@ def what_runs(notebook):
 
 
 def test_the_chinese_notebook_runs_as_the_english_one_run_alone_above():
-    """Issue 37: the Chinese notebook runs alone on Colab's versions, top to bottom,
+    """The Chinese notebook runs alone on Colab's versions, top to bottom,
     with the English one's outputs. A run executes the code cells alone, in order,
     in the kernel the metadata names: those are the English notebook's, so its run
     is the run the test above makes (a second run would repeat it to the byte of

@@ -3,8 +3,8 @@
 A GPU run differs from a CPU run in what it refuses: NCCL takes only tensors on the
 process's GPU, and a CPU tensor mixed into a GPU computation raises. The `meta`
 device refuses the same mixing on any machine (its tensors have shapes and no
-values), so the model's forward and backward passes, decoding and both
-label-smoothing losses run on it here; the collectives of several processes are
+values), so the model's forward and backward passes, decoding and the
+label-smoothing loss run on it here; the collectives of several processes are
 handed to a recorder that checks where each tensor lives. The CUDA queries
 (how many GPUs, bfloat16 hardware) are mocked.
 """
@@ -17,7 +17,7 @@ from conftest import REPO_ROOT
 from torch.overrides import TorchFunctionMode
 
 import the_annotated_transformer as tat
-from workshop import distributed, fast, precision, training, translation
+from workshop.run import distributed, precision, training
 
 META = torch.device("meta")
 VOCAB, PAD, START = 11, 0, 1
@@ -40,14 +40,8 @@ def test_a_cpu_tensor_mixed_into_a_meta_computation_raises(meta_model):
         meta_model.encode(src, torch.ones(3, 1, 7, dtype=torch.bool))
 
 
-@pytest.mark.parametrize(
-    "criterion",
-    [tat.LabelSmoothing(VOCAB, PAD, 0.1), fast.LabelSmoothing(VOCAB, PAD, 0.1)],
-    ids=["book", "fused"],
-)
-def test_a_training_step_runs_on_the_device_of_the_model_and_its_batch(
-    meta_model, criterion
-):
+def test_a_training_step_runs_on_the_device_of_the_model_and_its_batch(meta_model):
+    criterion = tat.LabelSmoothing(VOCAB, PAD, 0.1)
     src, tgt = meta_ids(3, 7), meta_ids(3, 6)
     src_mask = tat.padding_mask(src, PAD)
     tgt_mask = tat.Batch.make_std_mask(tgt[:, :-1], PAD)
@@ -120,29 +114,14 @@ def test_the_time_limit_vote_is_exchanged_on_the_device(monkeypatch):
 
 def test_the_bf16_vote_is_exchanged_on_the_device(monkeypatch):
     recorder = CollectiveRecorder(monkeypatch)
-    monkeypatch.setattr(precision, "bf16_pays", lambda device: (True, "it pays"))
+    monkeypatch.setattr(precision, "hardware_bf16", lambda device: (True, "it has"))
     with pytest.raises((RuntimeError, NotImplementedError)):
-        precision.amp_dtype_for(True, META, distributed=True)  # reads the vote
+        precision.run_precision("auto", META, distributed=True)  # reads the vote
     assert recorder.devices == [META]
 
 
 # ---------------------------------------------------------------------------
 # GPUs, mocked: bfloat16 hardware, how many processes, which device
-
-
-@pytest.mark.parametrize("has_bf16", [True, False])
-def test_on_a_gpu_bf16_is_the_hardwares_answer_not_a_timing(
-    has_bf16, monkeypatch, capsys
-):
-    def never(*args, **kwargs):
-        raise AssertionError("timed a matrix product on a GPU")
-
-    monkeypatch.setattr(precision, "bf16_matmul_speedup", never)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: has_bf16)
-    dtype = precision.amp_dtype_for(True, torch.device("cuda", 0))
-    assert dtype == (torch.bfloat16 if has_bf16 else None)
-    said = capsys.readouterr().out
-    assert ("lacks bfloat16 hardware" in said) == (not has_bf16)
 
 
 @pytest.fixture
@@ -184,21 +163,6 @@ def test_mps_is_refused_in_one_line_where_torch_does_not_report_it(monkeypatch):
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     with pytest.raises(ValueError, match="MPS .* not available .*--device cpu"):
         distributed.parse_device("mps")
-
-
-def test_a_run_on_mps_trains_in_float32_without_timing_anything(
-    apple_silicon, monkeypatch
-):
-    def never(*args, **kwargs):
-        raise AssertionError("timed a matrix product on MPS")
-
-    monkeypatch.setattr(precision, "bf16_matmul_speedup", never)
-    said = []
-    assert precision.amp_dtype_for(True, torch.device("mps"), said.append) is None
-    assert said == [
-        "--bf16 ignored: runs on Apple's MPS train in float32, so this "
-        "run trains in float32."
-    ]
 
 
 def test_a_run_on_mps_takes_one_process(apple_silicon):
@@ -333,25 +297,20 @@ def cpu_model():
 
 
 def test_decoding_and_training_make_no_tensor_on_the_host_but_the_allowed():
-    """Decoding in every form, and a training and an evaluation epoch with both
-    label smoothings: what runs on a GPU in a long job (the model and the batches
-    are made before, as a run makes them on its device)."""
+    """Decoding in every form, and a training and an evaluation epoch: what runs on
+    a GPU in a long job (the model and the batches are made before, as a run makes
+    them on its device)."""
     model, src = cpu_model(), torch.randint(2, VOCAB, (3, 7))
     mask = tat.padding_mask(src, PAD)
     batches = [tat.Batch(src, torch.randint(2, VOCAB, (3, 6)), pad=PAD)] * 2
     optimizer, scheduler = tat.make_optimizer(model, 1.0, 32, 1.0, 10)
-    losses = [
-        tat.SimpleLossCompute(model.generator, criterion(VOCAB, PAD, 0.1))
-        for criterion in (tat.LabelSmoothing, fast.LabelSmoothing)
-    ]
+    loss = tat.SimpleLossCompute(model.generator, tat.LabelSmoothing(VOCAB, PAD, 0.1))
     with FactoryAudit() as audit:
         for decode in (tat.greedy_decode, tat.cached_greedy_decode):
             decode(model, src, mask, 6, START, end_symbol=2)
-        for search in (tat.beam_search, translation.beam_search):
-            search(model, src, mask, 6, START, 2, beam_size=2)
-        for loss in losses:
-            tat.run_epoch(batches, model, loss, optimizer, scheduler, accum_iter=2)
-            tat.run_epoch(batches, model, loss, mode="eval")
+        tat.beam_search(model, src, mask, 6, START, 2, beam_size=2)
+        tat.run_epoch(batches, model, loss, optimizer, scheduler, accum_iter=2)
+        tat.run_epoch(batches, model, loss, mode="eval")
     assert audit.calls - ALLOWED == set()
 
 
@@ -423,7 +382,7 @@ def test_tf32_is_used_on_gpus_that_have_it(device, capability, expected, monkeyp
     assert used == (expected == "high") == (len(said) == 1)
 
 
-def test_the_batched_beam_search_reads_and_copies_once_a_step():
+def test_beam_search_reads_and_copies_once_a_step():
     """Each step reads its candidates once and copies the chosen ones back once;
     a hypothesis that ends is read once more, to keep its ids, and the best ids of
     every sentence go to the device in one copy at the end. encode reads once, to
@@ -432,6 +391,8 @@ def test_the_batched_beam_search_reads_and_copies_once_a_step():
     mask = tat.padding_mask(src, PAD)
     never, k, steps = VOCAB + 1, 2, 5  # no hypothesis ends before the last step
     with HostReads() as host:
-        translation.beam_search(model, src, mask, steps + 1, START, never, beam_size=k)
+        tat.beam_search(model, src, mask, steps + 1, START, never, beam_size=k)
     ended = src.size(0) * k  # at the last step, every sentence's k hypotheses
-    assert (host.reads, host.copies) == (1 + steps + ended, steps + 1)
+    # Copies: each step but the last, where every sentence ends, sends its chosen
+    # rows back; then the best ids, once.
+    assert (host.reads, host.copies) == (1 + steps + ended, (steps - 1) + 1)

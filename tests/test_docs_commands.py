@@ -31,7 +31,8 @@ import pytest
 import torch
 
 import the_annotated_transformer as tat
-from workshop import checkpoints, cli, settings
+from workshop import cli
+from workshop.run import checkpoints, settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DOCS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]

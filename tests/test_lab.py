@@ -7,8 +7,8 @@ headless Chromium (the flags of the site test) and checks that the page shows th
 book's title and its first code cell, that the book's folded cells show collapsed
 and open on a click, and that a reader can run the first cells. It then asks the
 same server what a reader's actions would do: open the .py as a notebook, save the
-notebook, and run code in the kernel. The same server opens the Chinese edition
-(issue 37), a plain notebook paired with no .py, its Chinese drawn in a CJK font.
+notebook, and run code in the kernel. The same server opens the Chinese edition,
+a plain notebook paired with no .py, its Chinese drawn in a CJK font.
 `make lab LAB_BOOK=...` opens it first. The server is stopped after.
 
 JupyterLab is an optional install (`make setup-lab`, requirements-lab.txt), which

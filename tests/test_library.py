@@ -1,7 +1,7 @@
 """The book as a library (docs/build_on_it.md): its traps caught where a user's data
 enters, its contracts in help(), its public surface, and saving and loading weights.
 
-Each trap below ran silently, with wrong results, before it was caught (issue 39):
+Each trap below would otherwise run silently, with wrong results:
 a forgotten pad, a mask in PyTorch's or an additive convention, a mask of the wrong
 shape, a loss whose padding id is not the batches', the paper's width in the rate of
 a smaller model.

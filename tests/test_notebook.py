@@ -33,7 +33,7 @@ def bug_lines(name, switched_on, books_path=None):
     return rf"{re.escape(name)}{on}\s+the book's path -> {off}"
 
 
-# What the book's five doing pieces print (issue 34), as patterns: the stable
+# What the book's five doing pieces print, as patterns: the stable
 # words, with the numbers, which vary by machine, left open.
 WEIGHTS = rf"\[{NUMBER}, {NUMBER}\]"  # hidden_weight's per row
 TEACHING_BY_DOING = (
@@ -157,7 +157,7 @@ def test_notebook_executes_end_to_end_with_the_smoke_profile(executed_notebook):
     assert "translated identically with and without the cache" in text
     assert "\n  greedy:    " in text and "\n  beam:      " in text
     assert "signature: nrefs:1" in text
-    # The book teaches by doing (issue 34): each of its five pieces printed, and the
+    # The book teaches by doing: each of its five pieces printed, and the
     # beam drawn, interactive, with its PNG in the same output.
     assert not_shown(text) == []
     beam_charts = [o for o in charts if is_beam_chart(o.data[VEGA_LITE])]

@@ -21,7 +21,6 @@ from conftest import loaded_by_importing_the_book, run_python
 from torch import nn
 
 import the_annotated_transformer as tat
-from workshop import fast
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 11
@@ -328,8 +327,12 @@ def mha():
 
 
 def attention_path(module, fused):
-    """`module` with the book's attention, or with the workshop's fused one."""
-    return fast.use_fused_attention(module) if fused else module
+    """`module` computing with the book's attention() (eval mode) or with PyTorch's
+    fused kernel (training mode), its dropout off so that both are deterministic."""
+    for layer in module.modules():
+        if isinstance(layer, nn.Dropout):
+            layer.p = 0.0
+    return module.train(fused)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["book", "fused"])
@@ -377,12 +380,12 @@ def test_fused_and_explicit_attention_paths_agree_in_float32(mha, with_mask):
         mask = torch.tensor([[True, False, True, True, False, True], [True] * 6])
         mask = mask.unsqueeze(-2)
     explicit = mha(query, key, value, mask)
-    fused = fast.use_fused_attention(copy.deepcopy(mha))(query, key, value, mask)
+    fused = attention_path(copy.deepcopy(mha), True)(query, key, value, mask)
     _, bound = mha_error(mha, query, key, value)  # each side may round that far
     torch.testing.assert_close(fused, explicit, atol=2 * bound, rtol=0)
 
 
-def test_explicit_path_stores_weights_in_attn_and_fused_path_leaves_it_none(mha):
+def test_eval_mode_stores_weights_in_attn_and_training_mode_leaves_them(mha):
     query, key, value = mha_inputs()
     mha(query, key, value)
     assert mha.attn.shape == (2, 4, 4, 6)  # (batch, heads, q_len, k_len)
@@ -390,9 +393,9 @@ def test_explicit_path_stores_weights_in_attn_and_fused_path_leaves_it_none(mha)
     torch.testing.assert_close(
         mha.attn.sum(-1), torch.ones(2, 4, 4), atol=12 * U32, rtol=0
     )
-    fused = fast.use_fused_attention(mha)
-    fused(query, key, value)
-    assert fused.attn is None
+    kept = mha.attn
+    mha.train()(query[:, :2], key, value)  # the fused kernel keeps no weights
+    assert mha.attn is kept
 
 
 def test_model_can_be_deep_copied_after_a_forward_pass_that_kept_attention():
@@ -400,30 +403,11 @@ def test_model_can_be_deep_copied_after_a_forward_pass_that_kept_attention():
     # a non-leaf tensor there makes copy.deepcopy(model) raise a RuntimeError.
     model = small_model()
     src, _, src_mask, _ = padded_batch()
-    model.encode(src, src_mask)  # with gradients enabled, as in training
+    model.eval().encode(src, src_mask)  # with gradients enabled
     copied = copy.deepcopy(model)
     assert torch.equal(
         copied.encoder.layers[0].self_attn.attn, model.encoder.layers[0].self_attn.attn
     )
-
-
-def attention_layers(model):
-    return [m for m in model.modules() if isinstance(m, tat.MultiHeadedAttention)]
-
-
-def test_use_fused_attention_switches_every_attention_layer_of_a_model():
-    model = small_model().train()
-    assert [type(m) for m in attention_layers(model)] == [tat.MultiHeadedAttention] * (
-        3 * SMALL["N"]
-    )
-    parameters = list(model.parameters())
-    assert fast.use_fused_attention(model) is model
-    assert [type(m) for m in attention_layers(model)] == [fast.FusedAttention] * (
-        3 * SMALL["N"]
-    )
-    # The same weights and dropout, not copies: training the model trains them.
-    assert all(a is b for a, b in zip(model.parameters(), parameters, strict=True))
-    assert all(m.training for m in model.modules())
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
@@ -494,7 +478,7 @@ def test_masked_model_runs_in_half_precision_with_finite_log_probabilities(
     dtype, fused
 ):
     torch.manual_seed(4)
-    model = attention_path(small_model(), fused).eval()
+    model = attention_path(small_model(), fused)
     src, tgt, src_mask, tgt_mask = padded_batch()
     with torch.no_grad():
         full = model.generator(model(src, tgt, src_mask, tgt_mask))
@@ -998,7 +982,7 @@ def test_make_model_dropout_reaches_every_dropout_layer_including_attention(p):
     assert len(dropouts) == 2 + SMALL["N"] * (4 + 6)
     assert all(d.p == p for d in dropouts)
     # The book's model uses PyTorch's own dropout (the workshop's faster one is
-    # swapped in by training runs only: tests/test_workshop_fast.py).
+    # swapped in by training runs only).
     assert all(type(d) is nn.Dropout for d in dropouts)
     attention_layers = [
         m for m in model.modules() if isinstance(m, tat.MultiHeadedAttention)
@@ -1013,17 +997,13 @@ def forward_twice(model):
         return [model(src, tgt, src_mask, tgt_mask) for _ in range(2)]
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["book", "fused"])
-def test_eval_mode_is_deterministic_even_with_dropout(fused):
-    model = attention_path(small_model(dropout=0.5), fused)
-    first, second = forward_twice(model.eval())
+def test_eval_mode_is_deterministic_even_with_dropout():
+    first, second = forward_twice(small_model(dropout=0.5).eval())
     assert torch.equal(first, second)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["book", "fused"])
-def test_train_mode_with_dropout_gives_different_forward_passes(fused):
-    model = attention_path(small_model(dropout=0.5), fused)
-    first, second = forward_twice(model.train())
+def test_train_mode_with_dropout_gives_different_forward_passes():
+    first, second = forward_twice(small_model(dropout=0.5).train())
     # Without dropout the two passes agree bit for bit (the tests around this one);
     # dropout at 0.5 moves outputs of order 1 by order 1, far beyond allclose's
     # default 1e-5 relative.

@@ -571,6 +571,30 @@ def test_label_smoothing_target_distribution():
         assert dist[row].sum().item() == pytest.approx(1.0, abs=6 * U32)
 
 
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.4])
+def test_label_smoothing_closed_form_equals_kl_divergence_to_its_target_table(eps):
+    """forward never builds q; F.kl_div on smoothed_targets (q itself) must agree,
+    loss and gradient, padding targets included."""
+    size, pad, n = 9, 2, 12
+    gen = torch.Generator().manual_seed(1)
+    z = torch.randn(n, size, generator=gen, dtype=torch.float64)
+    x = z.log_softmax(-1).requires_grad_()
+    target = torch.randint(0, size, (n,), generator=gen)
+    target[[3, 7]] = pad
+    crit = tat.LabelSmoothing(size, pad, eps)
+    ours = crit(x, target)
+    (grad_ours,) = torch.autograd.grad(ours, x)
+    table = F.kl_div(x, crit.smoothed_targets(target, x.dtype), reduction="sum")
+    (grad_table,) = torch.autograd.grad(table, x)
+    # float64, u = 2^-53. Each side sums every row's size terms, then n rows: each
+    # rounding within u of a partial sum no larger than sum |x| + n ln(size) (the
+    # entropy term of a row is at most ln(size)), at most n * size roundings a side.
+    bound = 2 * n * size * U64 * (x.abs().sum().item() + n * math.log(size))
+    assert ours.item() == pytest.approx(table.item(), abs=bound)
+    # The gradient is -q on both sides, one rounding of q's values at most.
+    torch.testing.assert_close(grad_ours, grad_table, rtol=0, atol=2 * U64)
+
+
 def test_label_smoothing_matches_torch_cross_entropy_up_to_the_entropy_constant():
     """LabelSmoothing(x, t) == CE + n_nonpad * C, with equal gradients.
 

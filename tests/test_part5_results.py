@@ -21,7 +21,8 @@ from conftest import HANDMADE_PAIRS, SENTENCE, EchoTranslator, point_data_at
 from torch import nn
 
 import the_annotated_transformer as tat
-from workshop import figures, translation
+from workshop.report import figures
+from workshop.translate import translation
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -32,11 +33,11 @@ BOOK = Path(__file__).resolve().parent.parent / "the_annotated_transformer.py"
 # Shared setup
 
 
-# conftest's `translator`, with the book's own attention (fused=False), which keeps
-# its weights for the maps.
+# The smoke run's translator: decoding runs in eval mode, so its attention layers
+# keep their weights for the maps.
 @pytest.fixture(scope="module")
 def translator(trained_checkpoint):
-    return translation.load_translator(trained_checkpoint, device="cpu", fused=False)
+    return translation.load_translator(trained_checkpoint, device="cpu")
 
 
 def small_model(seed):
@@ -306,24 +307,19 @@ def test_attention_weights_restore_the_models_settings(translator):
         model.eval()
 
 
-def test_attention_maps_need_the_books_attention_which_keeps_its_weights(
-    translator, trained_checkpoint
-):
-    # The book's layers keep their weights; the workshop's fused ones do not.
-    translator.translate(SENTENCE)
-    assert all(
-        m.attn is not None
-        for m in translator.model.modules()
-        if isinstance(m, tat.MultiHeadedAttention)
-    )
-    fused = translation.load_translator(trained_checkpoint, device="cpu")
-    with torch.no_grad():
-        fused.translate(SENTENCE)
-    assert all(
-        m.attn is None
-        for m in fused.model.modules()
-        if isinstance(m, tat.MultiHeadedAttention)
-    )
+def test_decoding_keeps_the_weights_and_a_training_step_keeps_none():
+    """The two ways of MultiHeadedAttention: eval mode (decoding, the maps) keeps
+    every layer's weights in .attn; training mode's fused kernel keeps none."""
+    torch.manual_seed(0)
+    model = tat.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+    layers = [m for m in model.modules() if isinstance(m, tat.MultiHeadedAttention)]
+    src = torch.tensor([[1, 4, 5, 6]])
+    tat.greedy_decode(model, src, tat.padding_mask(src, 0), 5, 1)
+    assert all(m.attn is not None for m in layers)
+    for m in layers:
+        m.attn = None
+    model.train()(src, src, tat.padding_mask(src, 0), tat.subsequent_mask(4))
+    assert all(m.attn is None for m in layers)
 
 
 # ---------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 from conftest import texts_of
 
 import the_annotated_transformer as tat
-from workshop import settings
+from workshop.run import settings
 
 BOOK = Path(__file__).resolve().parent.parent / "the_annotated_transformer.py"
 

@@ -1,7 +1,7 @@
 """`make site` builds the book's website: one page that a browser renders offline.
 
 The build (conftest.py's `built_site`: `make site` with the smoke profile) runs every
-cell of the book and writes the page with tools/export_html.py, the exporter behind
+cell of the book and writes the page with tools.export_html, the exporter behind
 `make html` too. Headless Chromium (Debian's, which .ci/run installs) then opens the
 page from disk with every host name unresolvable, takes a screenshot and dumps the
 DOM after its scripts ran: the title, the table of contents and the typeset math
@@ -13,7 +13,7 @@ menus must show the kind, layer and head picked. And as a reader skips the suppo
 cells: each cell the book folds (Jupyter Book's hide-input, hide-output and
 hide-cell tags) is a closed fold that a click opens, on the book's page and on a
 small notebook with every tag. The site has two pages, the book and its Chinese
-edition (site/zh/, issue 37), and each test of a page runs on both (the fixture
+edition (site/zh/), and each test of a page runs on both (the fixture
 `edition`): each links to the other at its top, and every Chinese character of a
 page is drawn in a CJK font, with no missing-glyph box (the fonts Chromium used,
 read through the DevTools protocol). (tests/test_workflows.py checks that the
@@ -38,9 +38,9 @@ from bs4 import BeautifulSoup
 from conftest import CHROMIUM_FLAGS, book_title, fold_tag, run_chromium
 from test_notebook import is_beam_chart, not_shown
 
+from tools.export_html import FONT_STACKS, LATIN_FONTS
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-from export_html import FONT_STACKS, LATIN_FONTS  # noqa: E402
 
 IMAGES = REPO_ROOT / "images"
 VEGA_LITE = "application/vnd.vegalite.v5+json"
@@ -358,7 +358,8 @@ def test_each_fold_tag_folds_its_part_of_a_cell(chromium, tmp_path):
     notebook = tmp_path / "folds.ipynb"
     nbformat.write(nbformat.v4.new_notebook(cells=cells), notebook)
     exported = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tools" / "export_html.py"), str(notebook)],
+        [sys.executable, "-m", "tools.export_html", str(notebook)],
+        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=300,
@@ -517,7 +518,7 @@ def test_site_holds_the_page_the_figures_and_the_executed_notebook(built_site):
 def test_the_chinese_page_has_the_books_code_and_the_english_runs_outputs(
     built_site,
 ):
-    """The Chinese page shows the outputs of the English run (tools/build_site.py):
+    """The Chinese page shows the outputs of the English run (tools.build_site):
     the same code cells, in the same order, each with the same outputs; its
     markdown is the committed Chinese notebook's."""
     english, chinese = (

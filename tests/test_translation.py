@@ -1,7 +1,7 @@
-"""The Chinese edition (中文版, issue 37): one book in two languages, never out of step.
+"""The Chinese edition (中文版): one book in two languages, never out of step.
 
 The English book is the one source of the code. translations/zh/ holds a gettext
-catalogue of its markdown cells (tools/translation.py extracts it; an edited English
+catalogue of its markdown cells (tools.translation extracts it; an edited English
 cell turns its entry fuzzy) and the glossary that fixes each term's Chinese form;
 notebooks/the_annotated_transformer.zh.ipynb is built from the two. These tests fail
 when a markdown cell has no current translation, when the Chinese notebook's code is
@@ -14,7 +14,6 @@ page, tests/test_colab.py runs the Chinese notebook alone.)
 
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import jupytext
@@ -22,9 +21,9 @@ import nbformat
 import polib
 import pytest
 
+from tools import repository, translation
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-import translation  # noqa: E402
 
 LANG = "zh"
 BOOK = REPO_ROOT / "the_annotated_transformer.py"
@@ -174,11 +173,9 @@ def test_a_new_english_cell_leaves_the_other_translations_current(copies):
 
 
 def test_a_forks_relink_keeps_every_translation_current(tmp_path):
-    """A fork relinks the book's figures to its own address (tools/repository.py):
+    """A fork relinks the book's figures to its own address (tools.repository):
     the catalogue's English and Chinese are relinked alike, so no cell goes stale.
     The control: the book relinked alone leaves the cells with figures fuzzy."""
-    import repository
-
     for name in repository.LINKING:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO_ROOT / name, tmp_path / name)

@@ -1,24 +1,23 @@
 """The GitHub Actions workflows, read as YAML: CI runs the project's own script, once
 per commit, with pip's downloads cached; the Pages workflow stops early when Pages is
-not set to publish from Actions (tools/pages.py, tested against a local server), and
+not set to publish from Actions (tools.pages, tested against a local server), and
 publishes what `make site` builds. (`make lint` runs actionlint on them too.)"""
 
 import http.server
 import json
 import re
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tools import pages
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKFLOWS = REPO_ROOT / ".github" / "workflows"
 CI_WORKFLOW = WORKFLOWS / "ci.yml"
 PAGES_WORKFLOW = WORKFLOWS / "site.yml"
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-import pages  # noqa: E402
 
 
 def load(path):
@@ -130,7 +129,7 @@ def test_the_site_workflow_checks_pages_first_and_does_not_rely_on_enablement():
     needs an administrator's token): the build stops before any work instead."""
     (build,) = [load(PAGES_WORKFLOW)["jobs"]["build"]]
     runs = [step.get("run", "") for step in build["steps"]]
-    check = next(i for i, run in enumerate(runs) if "tools/pages.py" in run)
+    check = next(i for i, run in enumerate(runs) if "-m tools.pages" in run)
     setup = next(i for i, run in enumerate(runs) if "make setup" in run)
     assert check < setup
     assert "github.token" in build["steps"][check]["env"]["GITHUB_TOKEN"]

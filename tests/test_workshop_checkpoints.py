@@ -1,4 +1,4 @@
-"""Checkpoint and vocabulary files (workshop.checkpoints): vocabularies saved and
+"""Checkpoint and vocabulary files (workshop.run.checkpoints): vocabularies saved and
 read back, checkpoints saved without the positional tables, and averaging the
 checkpoints of one run."""
 
@@ -12,10 +12,8 @@ from conftest import (
 )
 
 import the_annotated_transformer as tat
-from workshop import (
-    checkpoints,
-)
 from workshop.errors import DataError
+from workshop.run import checkpoints
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -24,62 +22,33 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 # Vocabulary files
 
 
-def test_vocab_round_trips_through_a_json_file(tmp_path):
+def test_a_word_vocabulary_is_saved_as_its_tokens_in_json(tmp_path):
     vocab = tat.Vocab.build([["Männer", "Ufer", "Männer", "Ufer", "."]] * 2)
     path = tmp_path / "vocab.json"
     checkpoints.save_vocab(vocab, path)
     assert json.loads(path.read_text(encoding="utf-8")) == {"itos": vocab.itos}
-    loaded = checkpoints.load_vocab(path)
-    assert loaded.get_itos() == vocab.get_itos()
-    assert loaded.get_stoi() == vocab.get_stoi()
+    assert "Männer" in path.read_text(encoding="utf-8")  # UTF-8, not escaped
     assert names_in(tmp_path) == ["vocab.json"]  # no temporary file left
 
 
-@pytest.mark.parametrize(
-    "text",
-    [
-        '{"itos": ["<s>", "</s>"',  # cut short
-        '{"words": ["<s>", "</s>", "<blank>", "<unk>"]}',  # no itos
-        '{"itos": ["Hund"]}',  # no specials
-        '["<s>", "</s>", "<blank>", "<unk>"]',  # not an object
-    ],
-)
-def test_loading_a_file_that_is_not_a_saved_vocab_raises_data_error(tmp_path, text):
-    path = tmp_path / "vocab.json"
-    path.write_text(text, encoding="utf-8")
-    with pytest.raises(DataError, match="vocab.json"):
-        checkpoints.load_vocab(path)
-
-
-def test_loading_a_missing_vocab_file_raises_data_error(tmp_path):
-    with pytest.raises(DataError, match="nowhere.json"):
-        checkpoints.load_vocab(tmp_path / "nowhere.json")
-
-
-def test_subword_vocab_round_trips_through_a_json_file(bpe, tmp_path):
+def test_a_subword_vocabulary_is_saved_as_its_tokenizer_and_read_back(bpe, tmp_path):
     path = tmp_path / "bpe.json"
     checkpoints.save_vocab(bpe, path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bpe.json"]  # no temp file
-    loaded = checkpoints.load_vocab(path)
-    assert loaded.tokenizer.to_str() == bpe.tokenizer.to_str()
-    assert loaded.get_itos() == bpe.get_itos()
+    assert names_in(tmp_path) == ["bpe.json"]  # no temporary file left
+    assert path.read_text(encoding="utf-8") == bpe.tokenizer.to_str()
+    config = {"vocab": "bpe"}
+    src, tgt = checkpoints.vocabs_from_checkpoint(
+        {"config": config, "bpe": bpe.tokenizer.to_str()}
+    )
     text = "Zwei Männer stehen am Ufer."
-    assert loaded.encode(text) == bpe.encode(text)
-    assert checkpoints.subword_vocab_from_json(bpe.tokenizer.to_str()).encode(
-        text
-    ) == bpe.encode(text)
+    assert src is tgt and src.encode(text) == bpe.encode(text)
+    assert src.get_itos() == bpe.get_itos()
 
 
 @pytest.mark.parametrize("text", ["not json", '{"model": {"type": "BPE"}}'])
-def test_loading_a_file_that_is_not_a_saved_subword_vocab_raises_data_error(
-    tmp_path, text
-):
-    path = tmp_path / "bpe.json"
-    path.write_text(text, encoding="utf-8")
-    with pytest.raises(DataError, match="bpe.json"):
-        checkpoints.load_vocab(path)
-    with pytest.raises(DataError, match="missing.json"):
-        checkpoints.load_vocab(tmp_path / "missing.json")
+def test_a_checkpoint_whose_subword_vocabulary_is_damaged_raises_data_error(text):
+    with pytest.raises(DataError, match="vocabulary is unreadable"):
+        checkpoints.vocabs_from_checkpoint({"config": {"vocab": "bpe"}, "bpe": text})
 
 
 # ---------------------------------------------------------------------------

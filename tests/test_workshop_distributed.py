@@ -1,4 +1,4 @@
-"""Several processes (workshop.distributed): the loss's norm over processes, one
+"""Several processes (workshop.run.distributed): the loss's norm over processes, one
 gradient exchange per optimizer step, two processes end to end, and the batches
 shared among them."""
 
@@ -19,11 +19,7 @@ from conftest import (
 )
 
 import the_annotated_transformer as tat
-from workshop import (
-    checkpoints,
-    distributed,
-    training,
-)
+from workshop.run import checkpoints, distributed, run_setup, training
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -58,6 +54,10 @@ def ddp_halves():
 
 def ddp_criterion():
     return tat.LabelSmoothing(DDP_VOCAB, tat.PAD, 0.1)
+
+
+def simple_loss(model):
+    return tat.SimpleLossCompute(model.generator, ddp_criterion())
 
 
 def sgd_epoch(model, module, loss_compute, batches, accum_iter=1):
@@ -98,7 +98,7 @@ def test_micro_batches_that_do_not_end_a_group_run_without_gradient_exchange(
         lambda *_: seen.append(model.require_backward_grad_sync)
     )
     model.plan_epoch(n_batches, accum_iter=2)
-    loss_compute = distributed.DistributedLossCompute(module.generator, ddp_criterion())
+    loss_compute = distributed.DistributedLossCompute(simple_loss(module))
     optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
     _, state = tat.run_epoch(batches, model, loss_compute, optimizer, accum_iter=2)
     assert seen == synced
@@ -145,7 +145,7 @@ def test_gradients_are_exchanged_once_per_optimizer_step(
     seen = counting_exchanges(model)
     if plan:
         model.plan_epoch(4, accum_iter=2)
-    loss_compute = distributed.DistributedLossCompute(module.generator, ddp_criterion())
+    loss_compute = distributed.DistributedLossCompute(simple_loss(module))
     sgd_epoch(model, module, loss_compute, ddp_halves() * 2, accum_iter=2)
     assert len(seen) == exchanges and set(seen) == {0}
 
@@ -157,7 +157,7 @@ def test_the_runs_ddp_model_is_built_without_a_deprecation_warning(
     unsent before each forward pass through DDP's current option, not the
     `broadcast_buffers` that torch 2.13 deprecates with a FutureWarning that every
     process of a run would print."""
-    model, _ = training.models_for_run(ddp_test_model(), distributed=True)
+    model, _ = run_setup.models_for_run(ddp_test_model(), distributed=True)
     assert not [w for w in recwarn if issubclass(w.category, FutureWarning)]
     assert model.forward_sync_buffers is False
 
@@ -171,7 +171,7 @@ def test_ddp_without_a_plan_exchanges_gradients_after_every_micro_batch(
     module.register_forward_pre_hook(
         lambda *_: seen.append(model.require_backward_grad_sync)
     )
-    loss_compute = distributed.DistributedLossCompute(module.generator, ddp_criterion())
+    loss_compute = distributed.DistributedLossCompute(simple_loss(module))
     sgd_epoch(model, module, loss_compute, ddp_halves() * 2, accum_iter=2)
     assert seen == [True] * 4
 
@@ -185,13 +185,16 @@ def test_the_distributed_norm_is_the_mean_token_count_over_processes_as_a_tensor
     module = ddp_test_model()
     batch = ddp_halves()[0]
     out = module(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
-    ours = distributed.DistributedLossCompute(module.generator, ddp_criterion())
-    book = tat.SimpleLossCompute(module.generator, ddp_criterion())
+    book = simple_loss(module)
+    ours = distributed.DistributedLossCompute(book)
+    assert ours.criterion is book.criterion  # run_epoch checks its padding id
     loss, node = ours(out, batch.tgt_y, 37)
     book_loss, book_node = book(out, batch.tgt_y, 37)
     # The same summed loss, divided by 37 as a float32 tensor or as an int: both
     # hold 37 exactly, so the quotients are the same float64 number.
     assert torch.equal(loss, book_loss) and torch.equal(node, book_node)
+    # Evaluation exchanges nothing: the book's plain NLL.
+    assert torch.equal(ours.nll(out, batch.tgt_y), book.nll(out, batch.tgt_y))
 
 
 def two_process_worker(rank, rendezvous, result_path):
@@ -203,9 +206,9 @@ def two_process_worker(rank, rendezvous, result_path):
     )
     try:
         module = ddp_test_model()
-        model, _ = training.models_for_run(module, distributed=True)
+        model, _ = run_setup.models_for_run(module, distributed=True)
         model.plan_epoch(1, accum_iter=1)
-        loss_compute = training.loss_compute_for_run(
+        loss_compute = run_setup.loss_compute_for_run(
             module.generator, ddp_criterion(), distributed=True
         )
         state = sgd_epoch(model, module, loss_compute, [ddp_halves()[rank]])
@@ -278,7 +281,7 @@ def test_epoch_seeds_differ_by_rank_and_epoch_and_repeat_for_the_same_ones():
     torch.rand(3), np.random.rand(3), random.random()  # move every global generator
     assert [distributed.epoch_seed(0, 1, 1), distributed.epoch_seed(7, 2, 0)] == here
     code = (
-        "from workshop import distributed\n"
+        "from workshop.run import distributed\n"
         "print(distributed.epoch_seed(0, 1, 1), distributed.epoch_seed(7, 2, 0))"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
@@ -367,10 +370,8 @@ def test_two_ranks_get_disjoint_equal_counts_of_batches_covering_the_epoch(
         assert all(padded_size(b, lengths) <= budget for b in rank_0 + rank_1)
 
 
-def test_sampler_rejects_a_rank_outside_the_replicas_and_too_few_examples():
-    with pytest.raises(ValueError, match="rank"):
-        distributed.ShardedBatchSampler([3, 4], 10, num_replicas=2, rank=2)
-    with pytest.raises(ValueError, match="cannot be shared"):
+def test_sampler_rejects_fewer_examples_than_processes():
+    with pytest.raises(ValueError, match="1 examples: fewer than 2 processes"):
         distributed.ShardedBatchSampler([3], 10, num_replicas=2, rank=0)
 
 

@@ -1,4 +1,5 @@
-"""workshop.figures: the book's charts and diagrams, written as PNG files."""
+"""workshop.report.figures: the book's charts, its diagrams (tools/diagrams.py) and
+attention maps, written as PNG files."""
 
 import struct
 import xml.etree.ElementTree as ET
@@ -10,7 +11,9 @@ import pytest
 from conftest import PNG_SIGNATURE
 
 import the_annotated_transformer as tat
-from workshop import cli, figures
+from tools import diagrams
+from workshop import cli
+from workshop.report import figures
 
 CHANNELS = {0: 1, 2: 3, 4: 2, 6: 4}  # PNG colour type -> samples per pixel
 
@@ -97,7 +100,8 @@ def figures_dir(tmp_path_factory):
 
 @pytest.mark.slow
 def test_figures_command_writes_one_png_per_book_chart(figures_dir):
-    names = set(figures.book_charts()) | set(figures.book_diagrams())
+    names = set(figures.book_figures())
+    assert set(figures.CHARTS) | set(diagrams.DIAGRAMS) == names
     assert len(names) >= 10
     assert "architecture_post_norm" in names  # the paper's Figure 1 layout
     assert {p.name for p in figures_dir.iterdir()} == {f"{n}.png" for n in names}
@@ -105,7 +109,7 @@ def test_figures_command_writes_one_png_per_book_chart(figures_dir):
 
 @pytest.mark.slow
 def test_every_figure_is_a_valid_non_blank_png(figures_dir):
-    for name in [*figures.book_charts(), *figures.book_diagrams()]:
+    for name in figures.book_figures():
         path = figures_dir / f"{name}.png"
         assert path.stat().st_size > 5_000, name
         pixels = decode_png(path)
@@ -137,7 +141,7 @@ def test_diagrams_are_svg_with_the_blocks_they_explain():
         "scaled_dot_product_attention": ["MatMul", "Scale", "Softmax over the keys"],
         "multi_head_attention": ["Concat the heads", "Scaled dot-product attention"],
     }
-    for name, draw in figures.book_diagrams().items():
+    for name, draw in diagrams.DIAGRAMS.items():
         text = " ".join(label for _, _, label in svg_texts(draw()))  # well-formed
         for label in expected[name]:
             assert label in text, (name, label)
@@ -163,7 +167,7 @@ def test_post_norm_diagram_follows_each_sub_layer_with_add_and_norm():
     """The paper's Figure 1 layout, bottom up: every sub-layer followed by one Add &
     Norm (2 in the encoder, 3 in the decoder), no LayerNorm block of its own and no
     final one after a stack; Linear and Softmax on top of the decoder."""
-    svg = figures.diagram_architecture_post_norm()
+    svg = diagrams.diagram_architecture_post_norm()
     encoder = ["Multi-Head Attention", "Add & Norm", "Feed Forward", "Add & Norm"]
     decoder = [
         *("Masked Multi-Head Attention", "Add & Norm"),
@@ -181,7 +185,7 @@ def test_post_norm_diagram_follows_each_sub_layer_with_add_and_norm():
 def test_pre_norm_diagram_puts_layer_norm_before_each_sub_layer_and_at_the_end():
     """Our layout, drawn by the same code, top down: a LayerNorm before every
     sub-layer and one more ending each stack (Encoder.norm, Decoder.norm)."""
-    svg = figures.diagram_architecture()
+    svg = diagrams.diagram_architecture()
     encoder = [
         *("LayerNorm", "Multi-head self-attention"),
         *("LayerNorm", "Feed-forward", "LayerNorm"),
@@ -196,6 +200,15 @@ def test_pre_norm_diagram_puts_layer_norm_before_each_sub_layer_and_at_the_end()
     assert blocks_in_column(svg, "Decoder") == decoder
 
 
+def test_the_diagrams_tool_writes_the_diagrams_it_is_asked_for(tmp_path, capsys):
+    diagrams.main(["--out", str(tmp_path), "multi_head_attention"])
+    assert [p.name for p in tmp_path.iterdir()] == ["multi_head_attention.png"]
+    assert_not_blank(decode_png(tmp_path / "multi_head_attention.png"), "multi-head")
+    with pytest.raises(SystemExit) as refused:
+        diagrams.main(["--out", str(tmp_path), "no_such_diagram"])
+    assert refused.value.code == 2 and "no_such_diagram" in capsys.readouterr().err
+
+
 def test_a_uniform_image_counts_as_blank():
     """The check above can fail: a one-colour image does not pass it."""
     with pytest.raises(AssertionError, match="colours"):
@@ -208,10 +221,12 @@ def test_a_figure_that_fails_to_render_keeps_the_old_png_and_no_temporary(
     path = tmp_path / "chart.png"
     path.write_bytes(PNG_SIGNATURE + b"old")
 
-    def fail(svg):
+    import vl_convert
+
+    def fail(svg, scale):
         raise OSError("renderer crashed")
 
-    monkeypatch.setattr(figures, "svg_png", fail)
+    monkeypatch.setattr(vl_convert, "svg_to_png", fail)
     with pytest.raises(OSError, match="renderer crashed"):
         figures.save_png("<svg/>", path)
     assert path.read_bytes() == PNG_SIGNATURE + b"old"

@@ -1,57 +1,143 @@
-"""bfloat16 (workshop.precision): the probe that decides where it pays, and the
-autocast wrappers around the book's model and loss."""
+"""A run's precision (workshop.run.precision): "auto" decides from what the hardware
+reports, a resumed run keeps what it began in, and bfloat16 is autocast around the
+book's model and generator, composed into the run's loss computation."""
 
 import math
 
 import pytest
 import torch
-from conftest import (
-    smoke_config,
-)
+from conftest import smoke_config
 
 import the_annotated_transformer as tat
-from workshop import (
-    checkpoints,
-    distributed,
-    precision,
-    settings,
-    training,
-)
+from workshop.errors import DataError
+from workshop.run import checkpoints, distributed, precision, run_setup, training
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
+CPU = torch.device("cpu")
+
 
 # ---------------------------------------------------------------------------
-# bf16 only where it pays
+# fp32, bf16 or auto: what the hardware reports, never a timing
+
+
+def cpu_with_flags(monkeypatch, *flags):
+    """Make /proc/cpuinfo's flags read as `flags` (and a few common others)."""
+    every = frozenset({"sse2", "avx2", "avx512f", *flags})
+    monkeypatch.setattr(precision, "cpu_info", lambda: ("a CPU", every))
 
 
 @pytest.mark.parametrize(
-    "speedup, expected",
-    [(0.03, None), (0.999, None), (1.0, torch.bfloat16), (1.7, torch.bfloat16)],
+    "flags, expected",
+    [
+        ((), "float32"),
+        (("avx512_bf16",), "bfloat16"),
+        (("amx_bf16",), "bfloat16"),
+        (("avx512_bf16", "amx_bf16"), "bfloat16"),
+    ],
 )
-def test_bf16_is_used_only_where_a_measured_matmul_says_it_pays(
-    speedup, expected, monkeypatch, capsys
+def test_auto_trains_in_bf16_where_the_cpu_reports_bf16_instructions(
+    flags, expected, monkeypatch
 ):
-    monkeypatch.setattr(precision, "bf16_matmul_speedup", lambda device: speedup)
-    assert precision.amp_dtype_for(True, torch.device("cpu")) == expected
-    said = capsys.readouterr().out.strip().splitlines()
-    assert len(said) == 1 and f"{speedup:.2f}x" in said[0]  # the run's log says why
-    if expected is None:
-        assert "--bf16 ignored" in said[0]
-    else:
-        assert said[0].startswith("bfloat16 autocast: ")
+    cpu_with_flags(monkeypatch, *flags)
+    said = []
+    assert precision.run_precision("auto", CPU, said.append) == expected
+    (line,) = said  # one line, with the choice and why
+    assert line.startswith(f"precision: {expected} (auto: this CPU ")
+    for flag in flags:
+        assert flag in line
+    if not flags:
+        assert "neither the avx512_bf16 nor the amx_bf16" in line
 
 
-def test_bf16_not_asked_for_is_not_even_measured(monkeypatch):
+@pytest.mark.parametrize("setting", ["fp32", "bf16"])
+def test_fp32_and_bf16_are_what_they_say_without_asking_the_hardware(
+    setting, monkeypatch
+):
     def never(device):
-        raise AssertionError("measured without --bf16")
+        raise AssertionError("asked the hardware for a precision set by hand")
 
-    monkeypatch.setattr(precision, "bf16_matmul_speedup", never)
-    assert precision.amp_dtype_for(False, torch.device("cpu")) is None
+    monkeypatch.setattr(precision, "hardware_bf16", never)
+    said = []
+    name = precision.run_precision(setting, CPU, said.append)
+    assert name == {"fp32": "float32", "bf16": "bfloat16"}[setting]
+    assert said == [f"precision: {name} (--precision {setting})"]
+
+
+@pytest.mark.parametrize("has_bf16", [True, False])
+def test_on_a_gpu_auto_is_the_gpus_answer(has_bf16, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: has_bf16)
+    said = []
+    name = precision.run_precision("auto", torch.device("cuda", 0), said.append)
+    assert name == ("bfloat16" if has_bf16 else "float32")
+    assert ("lacks bfloat16" in said[0]) == (not has_bf16)
+
+
+@pytest.mark.parametrize("setting", ["auto", "bf16"])
+def test_a_run_on_mps_trains_in_float32(setting):
+    said = []
+    assert precision.run_precision(setting, "mps", said.append) == "float32"
+    auto = "auto: " if setting == "auto" else ""
+    assert said == [f"precision: float32 ({auto}runs on Apple's MPS train in float32)"]
+
+
+def test_this_machines_answer_is_its_cpuinfo_flags():
+    """The control for the mocked tests above: on this machine "auto" follows the
+    flags /proc/cpuinfo lists (none where it cannot be read)."""
+    _, flags = precision.cpu_info()
+    has = bool(flags & {"avx512_bf16", "amx_bf16"})
+    assert precision.hardware_bf16(CPU)[0] == has
+    assert precision.run_precision("auto", CPU, lambda line: None) == (
+        "bfloat16" if has else "float32"
+    )
+
+
+def test_a_resumed_run_keeps_the_precision_it_began_in(monkeypatch):
+    def never(device):
+        raise AssertionError("a resumed run chose its precision again")
+
+    monkeypatch.setattr(precision, "hardware_bf16", never)
+    said = []
+    for recorded in ("float32", "bfloat16"):
+        assert precision.run_precision("auto", CPU, said.append, recorded=recorded)
+        assert precision.run_precision("fp32", CPU, said.append, recorded=recorded)
+    assert said == [
+        f"precision: {name}, as this run began (a resumed run keeps it)"
+        for name in ("float32", "float32", "bfloat16", "bfloat16")
+    ]
+    with pytest.raises(DataError, match="records the precision 'float8'"):
+        precision.run_precision("auto", CPU, said.append, recorded="float8")
+
+
+class OneOtherProcess:
+    """Stands in for torch.distributed in a group of two processes, the other of
+    which votes `other`: all_reduce(MIN) takes the smaller vote."""
+
+    def __init__(self, monkeypatch, other):
+        self.other, self.votes = other, []
+        monkeypatch.setattr(torch.distributed, "all_reduce", self.all_reduce)
+
+    def all_reduce(self, tensor, op=None):
+        assert op == torch.distributed.ReduceOp.MIN
+        self.votes.append(tensor.item())
+        tensor.fill_(min(tensor.item(), self.other))
+
+
+@pytest.mark.parametrize("other", [0.0, 1.0])
+def test_several_processes_train_in_bf16_only_if_every_one_has_it(other, monkeypatch):
+    cpu_with_flags(monkeypatch, "avx512_bf16")
+    group, said = OneOtherProcess(monkeypatch, other), []
+    name = precision.run_precision("auto", CPU, said.append, distributed=True)
+    assert group.votes == [1.0]
+    assert name == ("bfloat16" if other else "float32")
+    if not other:
+        assert said == [
+            "precision: float32 (auto: another process's device lacks bfloat16)"
+        ]
 
 
 # ---------------------------------------------------------------------------
-# bf16: autocast around the book's model and loss
+# bf16: autocast around the book's model and generator
 
 COPY_VOCAB = 11
 
@@ -62,7 +148,7 @@ def copy_batches(n=4, batch_size=16, seed=1):
     return list(tat.data_gen(COPY_VOCAB, batch_size, n, generator=gen))
 
 
-def test_autocast_runs_the_wrapped_models_forward_in_bfloat16_on_the_cpu():
+def test_autocast_runs_the_wrapped_forward_in_bfloat16_and_returns_float32():
     torch.manual_seed(0)
     model = tat.make_model(COPY_VOCAB, COPY_VOCAB, N=2, d_model=32, d_ff=64, h=4)
     wrapped = precision.Autocast(model).eval()
@@ -87,10 +173,37 @@ def test_autocast_runs_the_wrapped_models_forward_in_bfloat16_on_the_cpu():
         (torch.bfloat16, True),
     ]
     assert not torch.is_autocast_enabled("cpu")  # switched off again after
-    assert torch.equal(ours, direct)  # the same computation as autocast by hand
-    assert not torch.equal(ours, plain)  # ... and not the float32 one
+    assert ours.dtype == torch.float32
+    assert torch.equal(ours, direct.float())  # autocast by hand, then float32
+    assert not torch.equal(ours, plain)  # ... and not the float32 computation
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert list(wrapped.state_dict()) == [f"model.{k}" for k in model.state_dict()]
+
+
+def test_a_runs_loss_is_the_books_composed_with_its_precision_and_processes():
+    model = smoke_config().make_model(11, 11)
+    criterion = tat.LabelSmoothing(11, tat.PAD, 0.1)
+    plain = run_setup.loss_compute_for_run(model.generator, criterion)
+    assert type(plain) is tat.SimpleLossCompute
+    assert plain.generator is model.generator and plain.criterion is criterion
+    bf16 = run_setup.loss_compute_for_run(model.generator, criterion, torch.bfloat16)
+    assert type(bf16) is tat.SimpleLossCompute
+    assert type(bf16.generator) is precision.Autocast
+    assert bf16.generator.model is model.generator
+    both = run_setup.loss_compute_for_run(
+        model.generator, criterion, torch.bfloat16, distributed=True
+    )
+    assert type(both) is distributed.DistributedLossCompute
+    assert type(both.loss_compute.generator) is precision.Autocast
+    assert both.criterion is criterion
+
+
+def test_a_runs_model_is_wrapped_for_its_precision_alone():
+    model = smoke_config().make_model(11, 11)
+    assert run_setup.models_for_run(model) == (model, model)
+    trained, evaluated = run_setup.models_for_run(model, torch.bfloat16)
+    assert trained is evaluated and type(trained) is precision.Autocast
+    assert trained.model is model
 
 
 @pytest.mark.slow
@@ -99,17 +212,17 @@ def test_a_bf16_model_and_loss_train_through_the_books_run_epoch():
     model = tat.make_model(
         COPY_VOCAB, COPY_VOCAB, N=2, d_model=32, d_ff=64, h=4, dropout=0.0
     )
-    trained, evaluated = training.models_for_run(model, torch.bfloat16)
-    assert type(trained) is precision.Autocast and evaluated is trained
-    assert trained.model is model
+    trained, evaluated = run_setup.models_for_run(model, torch.bfloat16)
     criterion = tat.LabelSmoothing(COPY_VOCAB, tat.COPY_PAD, 0.0)
-    loss_compute = training.loss_compute_for_run(
+    loss_compute = run_setup.loss_compute_for_run(
         model.generator, criterion, torch.bfloat16
     )
-    assert type(loss_compute) is precision.AutocastLossCompute
-    scores = []  # the dtype of the generator's output, in training and evaluation
+    scores, log_probs = [], []  # the generator's products, and what the loss gets
     model.generator.proj.register_forward_hook(
         lambda module, inputs, output: scores.append(output.dtype)
+    )
+    loss_compute.generator.register_forward_hook(
+        lambda module, inputs, output: log_probs.append(output.dtype)
     )
     batches = copy_batches()
     before, _ = tat.run_epoch(batches, evaluated, loss_compute, mode="eval")
@@ -119,44 +232,29 @@ def test_a_bf16_model_and_loss_train_through_the_books_run_epoch():
         tat.run_epoch(batches, trained, loss_compute, optimizer, train_state=state)
     after, _ = tat.run_epoch(batches, evaluated, loss_compute, mode="eval")
     assert scores == [torch.bfloat16] * len(batches) * 12
+    assert log_probs == [torch.float32] * len(batches) * 12
     assert state.step == 40 and math.isfinite(after)
     assert after < before / 2  # the untrained NLL is about log(11) = 2.4
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
-def test_a_run_picks_the_model_and_loss_wrappers_for_its_precision():
-    model = settings.RunConfig.from_profile("smoke").make_model(11, 11)
-    criterion = tat.LabelSmoothing(11, tat.PAD, 0.1)
-    assert training.models_for_run(model) == (model, model)
-    plain = training.loss_compute_for_run(model.generator, criterion)
-    assert type(plain) is tat.SimpleLossCompute
-    both = training.loss_compute_for_run(
-        model.generator, criterion, torch.bfloat16, True
-    )
-    assert type(both) is distributed.DistributedAutocastLossCompute
-    assert isinstance(both, distributed.DistributedLossCompute)
-    assert (
-        isinstance(both, precision.AutocastLossCompute) and both.dtype == torch.bfloat16
-    )
-
-
 @pytest.mark.slow
-def test_a_bf16_run_trains_and_evaluates_under_autocast(
-    smoke_run, multi30k_dir, tmp_path, monkeypatch
+def test_a_bf16_run_says_so_trains_under_autocast_and_records_it(
+    multi30k_dir, tmp_path, monkeypatch, capsys
 ):
-    monkeypatch.setattr(precision, "bf16_matmul_speedup", lambda device: 2.0)  # it pays
-    made, models_for_run = [], training.models_for_run
+    made, models_for_run = [], run_setup.models_for_run
 
     def recording_models_for_run(*args, **kwargs):
         made.append(models_for_run(*args, **kwargs))
         return made[-1]
 
-    monkeypatch.setattr(training, "models_for_run", recording_models_for_run)
-    history = training.train_model(
-        smoke_config(epochs=1, bf16=True), multi30k_dir, tmp_path, quiet=True
-    )
+    monkeypatch.setattr(run_setup, "models_for_run", recording_models_for_run)
+    config = smoke_config(epochs=1, precision="bf16")
+    history = training.train_model(config, multi30k_dir, tmp_path)
+    assert "precision: bfloat16 (--precision bf16)" in capsys.readouterr().out
     [(trained, evaluated)] = made
     assert type(trained) is type(evaluated) is precision.Autocast
     assert math.isfinite(history[0]["val_nll"])
-    weights = checkpoints.load_checkpoint(tmp_path / "last.pt")["model"]
-    assert all(w.dtype == torch.float32 for w in weights.values())
+    last = checkpoints.load_checkpoint(tmp_path / "last.pt")
+    assert last["precision"] == "bfloat16" and last["config"]["precision"] == "bf16"
+    assert all(w.dtype == torch.float32 for w in last["model"].values())

@@ -1,4 +1,4 @@
-"""workshop.reports: what a reproduced run's record becomes (the Results row, the
+"""workshop.report.reports: what a reproduced run's record becomes (the Results row, the
 Markdown page and its speed line). The reports of a whole `reproduce` run are
 tested with that command in tests/test_workshop_reproduce.py.
 
@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from workshop import reports
+from workshop.report import reports
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def test_a_record_older_than_its_provenance_fields_still_renders():
     """results/multi30k.json was written before records named their commit and torch:
-    its page says so instead of failing with a KeyError (issue 40's audit)."""
+    its page says so instead of failing with a KeyError."""
     import json
 
     committed = Path(__file__).resolve().parent.parent / "results" / "multi30k.json"

@@ -1,5 +1,5 @@
-"""workshop.reproduce: the whole recipe (train, average, choose on validation, score
-test) and what the `reproduce` command writes.
+"""workshop.report.reproduce: the whole recipe (train, average, choose on validation,
+score test) and what the `reproduce` command writes.
 
 These tests run a two-epoch smoke-profile run on 300 Multi30k pairs, found through
 $ANNOTATED_TRANSFORMER_DATA: without it they are skipped on a laptop, but fail in CI
@@ -13,7 +13,9 @@ import torch
 from conftest import PNG_SIGNATURE
 
 import the_annotated_transformer as tat
-from workshop import checkpoints, reports, reproduce, scoring, translation
+from workshop.report import reports, reproduce
+from workshop.run import checkpoints
+from workshop.translate import scoring, translation
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -45,14 +47,19 @@ def test_reproduce_trains_averages_and_chooses_on_validation_only(reproduced):
 
 def test_reproduce_records_the_precision_versions_commit_and_limit(reproduced):
     """What the run did (from its last.pt) and what scored it: the JSON and the
-    page say the run trained in float32 (the smoke profile asks for no bf16), with
-    which torch and commit, and that only 20 sentences of each split were scored."""
+    page say the precision the run trained in (the smoke profile asks for "auto":
+    bfloat16 where this CPU reports it), with which torch and commit, and that only
+    20 sentences of each split were scored."""
     import json
+
+    from workshop.run.precision import hardware_bf16
 
     root, record = reproduced
     run = checkpoints.load_checkpoint(root / "run" / "last.pt")
     saved = json.loads((root / "results" / "smoke.json").read_text())
-    assert saved["precision"] == run["precision"] == "float32"
+    expected = "bfloat16" if hardware_bf16("cpu")[0] else "float32"
+    assert saved["precision"] == run["precision"] == expected
+    assert f"epochs in {expected}" in reports.results_row(record)
     assert saved["training"] == run["provenance"]
     assert saved["machine"] == run["provenance"][-1]["machine"]
     assert saved["torch"] == torch.__version__

@@ -1,4 +1,4 @@
-"""One writer per run folder (workshop.run_lock), and a run killed in the middle of
+"""One writer per run folder (workshop.run.run_lock), and a run killed in the middle of
 an epoch that --resume finishes as if nothing happened.
 
 The runs here are real `python -m workshop train` processes (the smoke profile,
@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import REPO_ROOT, names_in
 
-from workshop import checkpoints, run_lock, settings, training
+from workshop.run import checkpoints, run_lock, settings, training
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -109,14 +109,14 @@ def one_error_line(result, status):
 
 
 @pytest.mark.slow
-def test_a_second_run_into_a_held_folder_is_refused_naming_the_holder(
+def test_a_second_run_into_a_held_folder_is_refused_naming_the_folder(
     multi30k_dir, tmp_path
 ):
     """The first run holds its folder from before its first write: a second run
     started a moment later (here: while the first trains its first epoch, before
-    any checkpoint) is refused in one line naming the first one's process, and
-    writes nothing. Killed, the first lets go: --resume then finds no checkpoint
-    to continue from and says so, instead of naming a lock."""
+    any checkpoint) is refused in one line naming the folder, and writes nothing.
+    Killed, the first lets go: --resume then finds no checkpoint to continue from
+    and says so, instead of naming a lock."""
     run, marker = tmp_path / "run", tmp_path / "paused"
     first = start_stopping_at(2, "pause", marker, smoke_argv(multi30k_dir, run))
     try:
@@ -124,9 +124,9 @@ def test_a_second_run_into_a_held_folder_is_refused_naming_the_holder(
         assert written(run) == []  # held, and nothing written yet
         second = run_script(*smoke_argv(multi30k_dir, run, "--max-tokens", "500"))
         line = one_error_line(second, 1)
-        assert f"process {first.pid}" in line and str(run) in line
+        assert f"{run} is in use: another process is writing a run there" in line
         resumed = run_script(*smoke_argv(multi30k_dir, run, "--resume"))
-        assert f"process {first.pid}" in one_error_line(resumed, 1)
+        assert f"{run} is in use" in one_error_line(resumed, 1)
         assert written(run) == []
     finally:
         first.kill()
@@ -169,8 +169,10 @@ def test_a_run_killed_mid_epoch_resumes_to_the_weights_of_an_uninterrupted_run(
 
 
 def test_the_lock_is_held_only_while_the_block_runs(tmp_path):
+    run_lock.refuse_if_held(tmp_path)  # free: nothing is made to say so
+    assert names_in(tmp_path) == []
     with run_lock.hold_run_folder(tmp_path):
-        with pytest.raises(run_lock.FolderInUseError, match=f"process {os.getpid()}"):
+        with pytest.raises(run_lock.FolderInUseError, match="is in use"):
             run_lock.refuse_if_held(tmp_path)
         with pytest.raises(run_lock.FolderInUseError):
             with run_lock.hold_run_folder(tmp_path):

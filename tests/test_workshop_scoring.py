@@ -1,5 +1,5 @@
-"""workshop.scoring: evaluating a translator on a split of Multi30k (BLEU, with
-sacreBLEU's signature, and the lowercased BLEU on spaCy tokens).
+"""workshop.translate.scoring: evaluating a translator on a split of Multi30k (BLEU,
+with sacreBLEU's signature, and the lowercased BLEU on spaCy tokens).
 
 The tests that run a trained model train a smoke-profile model on 300 Multi30k pairs,
 found through $ANNOTATED_TRANSFORMER_DATA: without it they are skipped on a laptop,
@@ -10,8 +10,8 @@ import pytest
 from conftest import HANDMADE_PAIRS, EchoTranslator, write_split
 
 import the_annotated_transformer as tat
-from workshop import scoring, translation
 from workshop.errors import DataError
+from workshop.translate import scoring, translation
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -29,7 +29,7 @@ def test_evaluate_scores_exactly_what_translate_returned_in_order(tmp_path, caps
     }
     echo = EchoTranslator(answers)
     result = scoring.evaluate(echo, tmp_path, "handmade", beam_size=3, batch_size=2)
-    beam_3 = {"decode": translation.beam_search, "beam_size": 3, "alpha": 0.6}
+    beam_3 = {"decode": tat.beam_search, "beam_size": 3, "alpha": 0.6}
     assert echo.calls == [([de for de, _ in HANDMADE_PAIRS], 2, beam_3)]
     hypotheses = [answers[de] for de, _ in HANDMADE_PAIRS]
     references = [en for _, en in HANDMADE_PAIRS]
@@ -56,26 +56,24 @@ def test_evaluate_scores_exactly_what_translate_returned_in_order(tmp_path, caps
 def test_greedy_evaluation_decodes_with_the_key_value_cache(
     tmp_path, translator, monkeypatch
 ):
-    """evaluate decodes greedily with the workshop's greedy_decode: the book's
-    greedy_decode with the workshop's DecodingCache (one cache a batch), finding
-    what the book's uncached greedy decoding finds."""
+    """evaluate decodes greedily with the book's greedy_decode and a key/value
+    cache (one a batch), finding what the book's uncached greedy decoding finds."""
     write_split(tmp_path, "handmade", HANDMADE_PAIRS)
     echo = EchoTranslator(dict(HANDMADE_PAIRS))
     scoring.evaluate(echo, tmp_path, "handmade", quiet=True)
-    assert [options for *_, options in echo.calls] == [
-        {"decode": translation.greedy_decode}
-    ]
-    calls, cache = [], translation.DecodingCache
+    assert [options for *_, options in echo.calls] == [{"decode": tat.greedy_decode}]
+    calls, cache = [], translation.ProgressCache
 
     def counted(*args, **kwargs):
         calls.append(1)
         return cache(*args, **kwargs)
 
-    monkeypatch.setattr(translation, "DecodingCache", counted)
+    monkeypatch.setattr(translation, "ProgressCache", counted)
     sources = [de for de, _ in HANDMADE_PAIRS]
     found = translator.translate(sources, **translation.decode_options())
     assert calls == [1]  # one batch, decoded with the cache
-    assert found == translator.translate(sources, decode=tat.greedy_decode)
+    plain = tat.decode_ids(translator.model, translator.encode(sources))
+    assert found == [translator.text(ids) for ids in plain]
 
 
 def test_evaluate_is_cased_but_its_spacy_variant_is_lowercased(tmp_path):
@@ -126,13 +124,13 @@ def test_evaluate_with_beam_size_2_decodes_with_beam_search(
 ):
     folder, pairs = mini_split
     calls = []
-    beam_search = translation.beam_search
+    beam_search = tat.beam_search
 
     def counting_beam_search(*args, **kwargs):
         calls.append(kwargs.get("beam_size"))
         return beam_search(*args, **kwargs)
 
-    monkeypatch.setattr(translation, "beam_search", counting_beam_search)
+    monkeypatch.setattr(tat, "beam_search", counting_beam_search)
     result = scoring.evaluate(translator, folder, "mini", beam_size=2, quiet=True)
     assert calls and set(calls) == {2}
     assert result["n"] == len(pairs) and result["beam_size"] == 2

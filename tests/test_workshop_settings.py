@@ -1,4 +1,4 @@
-"""A run's settings (workshop.settings): profiles, overrides and their checks,
+"""A run's settings (workshop.run.settings): profiles, overrides and their checks,
 word and subword vocabularies."""
 
 import dataclasses
@@ -7,11 +7,8 @@ import pytest
 import torch
 
 import the_annotated_transformer as tat
-from workshop import (
-    checkpoints,
-    settings,
-)
 from workshop.errors import DataError
+from workshop.run import checkpoints, settings
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -60,10 +57,13 @@ def test_the_books_profile_names_mean_the_same_settings_in_a_run():
     "overrides, message",
     [
         ({"d_model": 30, "h": 4}, "divisible"),
+        ({"d_model": 33, "h": 3}, "positional encoding needs it even"),
+        ({"dropout": 1.0}, r"dropout must be in \[0, 1\)"),
         ({"max_len": 2}, "max_len"),
         ({"epochs": -1}, "epochs"),
         ({"dimension": 3}, "dimension"),
-        ({"time_limit": 0}, "time_limit is in minutes"),
+        ({"time_limit": 0}, "time_limit must be minutes > 0"),
+        ({"precision": "fp16"}, "precision must be 'fp32', 'bf16' or 'auto'"),
     ],
 )
 def test_train_config_rejects_bad_settings_with_a_clear_message(overrides, message):
@@ -102,8 +102,8 @@ def test_a_runs_model_is_the_books_make_model_with_its_embedding_start(shared, i
         ({"vocab": "chars"}, "'word' or 'bpe'"),
         ({"vocab": "bpe", "bpe_vocab_size": 100}, "at least 260"),
         ({"bpe_vocab_size": 0}, "bpe_vocab_size"),
-        ({"embedding_init": "xavier"}, "'glorot', 'normal' or None"),
-        ({"cooldown": 1.5}, "cooldown is the share"),
+        ({"embedding_init": "xavier"}, "embedding_init must be 'glorot' or 'normal'"),
+        ({"cooldown": 1.5}, "cooldown must be from 0 to 1"),
     ],
 )
 def test_train_config_rejects_bad_subword_settings_with_a_clear_message(
@@ -130,6 +130,25 @@ def old_style_config():
     for name in NEW_FIELDS:
         del values[name]
     return values
+
+
+@pytest.mark.parametrize(
+    "older, precision",
+    [({"bf16": True}, "auto"), ({"bf16": False}, "fp32"), ({}, "auto")],
+)
+def test_the_settings_of_older_runs_read_as_todays(older, precision):
+    """An older run's `bf16` (bfloat16 where it paid) reads as precision "auto", or
+    "fp32"; its `fast_step` (a way to compute the same step) is dropped."""
+    values = settings.RunConfig.from_profile("smoke").to_dict()
+    del values["precision"]
+    config = settings.RunConfig.from_dict(values | older | {"fast_step": False})
+    assert config == settings.RunConfig.from_profile("smoke", precision=precision)
+    assert "bf16" not in config.to_dict() and "fast_step" not in config.to_dict()
+
+
+def test_the_multi30k_profile_lets_the_hardware_choose_its_precision():
+    assert settings.RunConfig.from_profile("multi30k").precision == "auto"
+    assert settings.RunConfig().precision == "auto"
 
 
 def test_old_config_dicts_without_the_subword_fields_load_with_the_defaults():
@@ -206,18 +225,6 @@ def test_filling_the_positional_tables_leaves_loading_strict(tmp_path, change):
         checkpoint["model"]["generator.extra"] = torch.zeros(3)
     with pytest.raises(DataError, match="do not fit"):
         checkpoints.model_from_checkpoint(checkpoint)
-
-
-def test_with_positional_tables_keeps_the_tables_a_state_dict_has():
-    model = settings.RunConfig.from_profile("smoke").make_model(11, 11)
-    state = model.state_dict()
-    name = next(k for k in state if k.endswith(".pe"))
-    marked = {name: torch.zeros_like(state[name])}
-    filled = checkpoints.with_positional_tables(marked, model)
-    assert torch.equal(filled[name], marked[name])
-    tables = {k for k in state if k.endswith(".pe")}
-    assert set(filled) == tables
-    assert not tables & set(checkpoints.without_positional_tables(state))
 
 
 def test_a_bpe_checkpoint_without_its_vocabulary_raises_data_error():

@@ -1,13 +1,11 @@
-"""workshop/translation.py from Python: the Translator that `load_translator` gives
-(one answer per sentence, blank ones too; n-best lists; the hard limit; progress),
-sampling (filter_log_probs, sample_decode, seeds), and the batched beam search's
-leaving out sentences whose search is done. The command line's translate is tested in
-tests/test_cli.py; the rest of the batched beam search in
-tests/test_part5_decoding.py; the key/value cache all three searches use in
-tests/test_workshop_kv_cache.py.
+"""workshop/translate/translation.py from Python: the Translator that `load_translator`
+gives (one answer per sentence, blank ones too; n-best lists from the book's beam
+search; the hard limit; progress, told by the book's key/value cache extended), and
+sampling (filter_log_probs, sample_decode, seeds). The command line's translate is
+tested in tests/test_cli.py; the book's searches and its cache in
+tests/test_part5_decoding.py.
 """
 
-import copy
 import io
 import math
 
@@ -15,17 +13,10 @@ import pytest
 import test_devices
 import torch
 from conftest import tiny_checkpoint
-from test_workshop_kv_cache import (
-    PAD,
-    ragged_sources,
-    random_model,
-    step_log_probs,
-    tolerance,
-)
 
 import the_annotated_transformer as tat
-from workshop import translation
 from workshop.errors import UsageError
+from workshop.translate import translation
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -79,7 +70,7 @@ def test_a_sentence_beyond_the_hard_limit_is_refused_before_any_work(
     limit = translation.MAX_SENTENCE_CHARACTERS
     with pytest.raises(UsageError, match=f"sentence 2 has {limit + 1:,} characters"):
         translator.translate(["Ein Hund.", "x" * (limit + 1)])
-    translation.check_sentences(["x" * limit])  # the control: at the limit, read
+    translation.check_sentence(1, "x" * limit)  # the control: at the limit, read
 
 
 def test_translate_takes_sentences_as_strings_only(translator):
@@ -103,22 +94,23 @@ def test_n_best_answers_each_sentence_with_the_beams_best_first(translator):
 
 
 def test_n_best_scores_are_the_books_beam_scores(translator):
-    """Each (translation, score) is one of the book's own beam search's finished
+    """Each (translation, score) is one of the book's beam search's finished
     hypotheses for the sentence alone, score for score: log P over the length
-    penalty. Both search in float32; the batched one pads the batch, so the
-    scores agree to float32 rounding of a sum of ~20 log-probabilities."""
+    penalty. The translator searches it beside a longer sentence, in a padded
+    batch, so the scores agree to float32 rounding of a sum of ~20
+    log-probabilities (each below 50)."""
     model, k, alpha = translator.model, 3, 0.6
-    found = translator.translate(SENTENCES[:1], beam_size=k, alpha=alpha, n_best=k)
-    (src_ids,) = translator.encode(SENTENCES[:1])
+    sentences = [SENTENCES[0], SENTENCES[2] + " " + SENTENCES[2]]
+    found = translator.translate(sentences, beam_size=k, alpha=alpha, n_best=k)
+    (src_ids,) = translator.encode(sentences[:1])
     src = torch.tensor([src_ids])
     src_mask = tat.padding_mask(src, tat.PAD)
-    with torch.no_grad():
-        memory = model.encode(src, src_mask)
-        max_len = min(src.size(1) + 50, translation.positions(model))
-        book = tat.beam_search_one(
-            model, memory, src_mask, max_len, tat.BOS, tat.EOS, k, alpha
-        )
-    expected = [(translator.text(translation._inner(ids)), s) for s, ids in book[:k]]
+    max_len = min(src.size(1) + 50, translation.positions(model))
+    ends = dict(pad_symbol=tat.PAD, n_best=k, alpha=alpha)
+    (book,) = tat.beam_search(
+        model, src, src_mask, max_len, tat.BOS, tat.EOS, k, **ends
+    )
+    expected = [(translator.text(translation._inner(ids)), s) for ids, s in book]
     assert [text for text, _ in found[0]] == [text for text, _ in expected]
     tolerance = 20 * 50 * torch.finfo(torch.float32).eps  # 20 terms of size <= 50
     for (_, score), (_, book_score) in zip(found[0], expected, strict=True):
@@ -128,86 +120,10 @@ def test_n_best_scores_are_the_books_beam_scores(translator):
 def test_n_best_without_a_beam_that_large_is_refused_saying_what_to_pass(
     translator,
 ):
-    with pytest.raises(UsageError, match=r"beam_size=3 or more; it has 1"):
+    with pytest.raises(UsageError, match=r"beam_size 3 or more; it has 1"):
         translator.translate(SENTENCES, n_best=3)
     with pytest.raises(UsageError, match=r"it has 2"):
         translator.translate(SENTENCES, n_best=3, beam_size=2)
-
-
-# ---------------------------------------------------------------------------
-# The batched beam search leaves out the sentences it has done
-
-
-def beam(model, src, src_mask, **options):
-    """The workshop's beam search of 3 for 3 hypotheses a sentence, ending at 1."""
-    options = dict(beam_size=3, pad_symbol=PAD, n_best=3, **options)
-    return translation.beam_search(model, src, src_mask, 12, 0, 1, **options)
-
-
-def score_tolerance(model, src, src_mask):
-    """A score sums at most 11 step log-probabilities, each within the cache's
-    step tolerance (tests/test_workshop_kv_cache.py), over a length penalty >= 1."""
-    ys = tat.greedy_decode(model, src, src_mask, 12, 0)
-    return 11 * tolerance(model, step_log_probs(model, src, src_mask, ys))
-
-
-def test_beam_search_drops_done_sentences_and_finds_what_it_finds_without():
-    """Ragged sentences that end at different steps: the decoder batch shrinks by a
-    sentence's k rows as each is done, and the search finds what it finds without
-    the cache (which recomputes every row) and what the book's search finds for
-    each sentence alone."""
-    model = random_model()
-    src, src_mask = ragged_sources()
-    rows = []  # the decoder's rows at each step
-    hook = model.generator.register_forward_hook(
-        lambda module, args, out: rows.append(out.size(0))
-    )
-    try:
-        found = beam(model, src, src_mask)
-    finally:
-        hook.remove()
-    plain = beam(model, src, src_mask, use_cache=False)
-    assert rows[0] == 3 * src.size(0) and rows[-1] < rows[0]
-    assert all(n % 3 == 0 for n in rows) and rows == sorted(rows, reverse=True)
-    limit = score_tolerance(model, src, src_mask)
-    for row, (hyps, without) in enumerate(zip(found, plain, strict=True)):
-        scores = [score for _, score in without]
-        # Rounding can only reorder hypotheses within the tolerance of each other.
-        gaps = [a - b for a, b in zip(scores, scores[1:], strict=False)]
-        assert min(gaps) > 2 * limit, f"near tie in {scores}: choose other sources"
-        assert [ids for ids, _ in hyps] == [ids for ids, _ in without]
-        for (_, a), (_, b) in zip(hyps, without, strict=True):
-            assert a == pytest.approx(b, abs=limit)
-        alone = tat.beam_search(
-            model,
-            src[row : row + 1],
-            src_mask[row : row + 1],
-            12,
-            0,
-            1,
-            beam_size=3,
-            pad_symbol=PAD,
-        )
-        assert hyps[0][0] == alone[0].tolist()  # one sentence: no padding
-
-
-def test_a_perturbed_weight_changes_the_beams_comparison():
-    """The control of the test above: the search with the cache, on a copy of the
-    model with one weight of the first decoder layer changed by 0.5, no longer
-    finds the hypotheses and scores of the unchanged model within the tolerance."""
-    model = random_model()
-    src, src_mask = ragged_sources()
-    limit = score_tolerance(model, src, src_mask)
-    changed = copy.deepcopy(model)
-    with torch.no_grad():
-        changed.decoder.layers[0].self_attn.linears[2].weight.view(-1)[0] += 0.5
-    found, plain = beam(changed, src, src_mask), beam(model, src, src_mask)
-    same = [
-        ids_a == ids_b and abs(a - b) <= limit
-        for hyps, without in zip(found, plain, strict=True)
-        for (ids_a, a), (ids_b, b) in zip(hyps, without, strict=True)
-    ]
-    assert not all(same)
 
 
 # ---------------------------------------------------------------------------
@@ -282,16 +198,10 @@ def test_a_samples_score_is_its_log_probability_under_the_model(translator):
         (ids,) = translator.encode(SENTENCES[:1])
         src = torch.tensor([ids])
         src_mask = tat.padding_mask(src, tat.PAD)
+        ends = dict(end_symbol=tat.EOS, pad_symbol=tat.PAD, n_best=4)
+        generator = torch.Generator().manual_seed(0)
         found = translation.sample_decode(
-            model,
-            src,
-            src_mask,
-            30,
-            tat.BOS,
-            tat.EOS,
-            tat.PAD,
-            n_best=4,
-            generator=torch.Generator().manual_seed(0),
+            model, src, src_mask, 30, tat.BOS, generator=generator, **ends
         )[0]
         assert [s for _, s in found] == sorted((s for _, s in found), reverse=True)
         with torch.no_grad():
@@ -309,13 +219,18 @@ def test_a_samples_score_is_its_log_probability_under_the_model(translator):
 
 
 def test_sampling_options_without_sampling_or_with_a_beam_are_refused():
-    with pytest.raises(UsageError, match="top_k, seed take effect only when"):
+    with pytest.raises(UsageError, match="top_k, seed: sampling's options take"):
         translation.decode_options(top_k=5, seed=1)
-    with pytest.raises(UsageError, match="choose one"):
+    with pytest.raises(UsageError, match="sample draws and beam_size 3 searches"):
         translation.decode_options(3, sample=True)
-    for bad in (dict(temperature=0), dict(temperature=math.inf), dict(top_p=1.5)):
-        with pytest.raises(UsageError):
-            translation.decode_options(sample=True, **bad)
+    with pytest.raises(UsageError, match="--top-k: .* only with --sample"):
+        translation.decode_options(top_k=5, flags=True)
+    bad = dict(temperature=0), dict(temperature=math.inf), dict(top_p=1.5)
+    for options in (*bad, dict(top_k=2.0), dict(seed=True)):
+        (name,) = options
+        with pytest.raises(UsageError, match=f"{name} must be"):
+            translation.decode_options(sample=True, **options)
+    translation.decode_options(sample=True, temperature=2, top_k=1, top_p=1, seed=0)
 
 
 # ---------------------------------------------------------------------------
@@ -335,35 +250,44 @@ class Clock:
 def test_progress_says_what_is_done_and_estimates_the_rest_at_its_pace():
     clock, stream = Clock(), io.StringIO()
     progress = translation.Progress(stream, every=5, clock=clock)
-    progress.begin(4)
     clock.now = 4.0  # sooner than `every`: nothing said
-    progress.finished(1)
+    progress.say("1 of 4 sentences done", 1 / 4)
     clock.now = 10.0
-    progress.finished(1)  # 2 of 4 in 10 s: 10 s more at that pace
+    progress.say("2 of 4 sentences done", 2 / 4)  # in 10 s: 10 s more at that pace
     clock.now = 12.0
-    progress.step(2, 7, 51)  # 2 s after the last line: nothing
+    progress.say("sentences 3 to 4 of 4: word 7")  # 2 s after the last line: nothing
     clock.now = 15.0
-    progress.step(2, 8, 51)
-    clock.now = 20.0
-    progress.finished(2)  # all done: the end says so
-    progress.end()
+    progress.say("sentences 3 to 4 of 4: word 8")
+    clock.now = 16.0
+    progress.say("4 of 4 sentences done", 1.0, now=True)  # the end, said at once
     assert stream.getvalue().splitlines() == [
-        "translating: 2 of 4 sentences done, 0:10 so far, about 0:10 left",
-        "translating: sentences 3 to 4 of 4: word 8 of at most 50, 0:15 so far",
-        "translating: 4 sentences in 0:20",
+        "translating: 2 of 4 sentences done, 0:00:10 so far, about 0:00:10 left",
+        "translating: sentences 3 to 4 of 4: word 8, 0:00:15 so far",
+        "translating: 4 of 4 sentences done, 0:00:16 so far",
     ]
+    assert progress.said
 
 
 def test_short_work_says_nothing():
     clock, stream = Clock(), io.StringIO()
     progress = translation.Progress(stream, every=5, clock=clock)
-    progress.begin(2)
     clock.now = 4.9
-    progress.step(1, 3, 10)
-    progress.finished(1)
-    progress.finished(1)
-    progress.end()
-    assert stream.getvalue() == ""
+    progress.say("sentences 1 to 2 of 2: word 3")
+    progress.say("1 of 2 sentences done", 1 / 2)
+    assert stream.getvalue() == "" and not progress.said
+
+
+def test_the_progress_cache_is_the_books_cache_telling_each_step():
+    """It computes what the book's KVCache computes (it is one), and calls on_step
+    with the positions it holds after each step."""
+    model = test_devices.cpu_model().eval()
+    src = torch.randint(2, test_devices.VOCAB, (3, 7))
+    mask = tat.padding_mask(src, test_devices.PAD)
+    told = []
+    cache = translation.ProgressCache(model, 6, told.append)
+    found = tat.greedy_decode(model, src, mask, 6, test_devices.START, cache=cache)
+    book = tat.cached_greedy_decode(model, src, mask, 6, test_devices.START)
+    assert torch.equal(found, book) and told == [1, 2, 3, 4, 5]
 
 
 def test_translate_tells_progress_each_batch_and_each_word(translator):
@@ -375,8 +299,8 @@ def test_translate_tells_progress_each_batch_and_each_word(translator):
     assert answers == translator.translate(sentences, batch_size=2)
     assert any(line.startswith("translating: 2 of 3 sentences done") for line in lines)
     assert any("sentences 1 to 2 of 3: word 1 of at most" in line for line in lines)
-    assert any("sentence 3 of 3: word 1 of at most" in line for line in lines)
-    assert lines[-1].startswith("translating: 3 sentences in ")
+    assert any("sentences 3 to 3 of 3: word 1 of at most" in line for line in lines)
+    assert lines[-1].startswith("translating: 3 of 3 sentences done, ")
 
 
 # ---------------------------------------------------------------------------
@@ -406,12 +330,19 @@ def test_sampling_makes_no_tensor_on_the_host_and_waits_once_a_step():
     options = dict(top_k=4, top_p=0.9, generator=torch.Generator().manual_seed(0))
     with test_devices.FactoryAudit() as audit, test_devices.HostReads() as reads:
         out = translation.sample_decode(
-            model, src, mask, 6, test_devices.START, never, **options
+            model, src, mask, 6, test_devices.START, end_symbol=never, **options
         )
     assert audit.calls == set() and reads.copies == 0
     assert out.size(1) == 6 and reads.reads == 1 + 5  # 5 steps
     with test_devices.HostReads() as reads:
         translation.sample_decode(
-            model, src, mask, 6, test_devices.START, never, n_best=2, **options
+            model,
+            src,
+            mask,
+            6,
+            test_devices.START,
+            end_symbol=never,
+            n_best=2,
+            **options,
         )
     assert reads.reads == 1 + 5 + 2  # and the ids and scores, read once

@@ -1,10 +1,10 @@
 """Build the book's website (`make site`): one folder that a static host serves.
 
-    python tools/build_site.py --out site
+    python -m tools.build_site --out site
 
 The folder holds
   index.html                        the book, every cell run, as one offline page
-                                    (tools/export_html.py: math, charts, figures inside)
+                                    (tools.export_html: math, charts, figures inside)
   the_annotated_transformer.ipynb   the executed notebook, outputs included
   zh/index.html                     the Chinese edition's page (中文版), and beside it
   zh/the_annotated_transformer.zh.ipynb   its notebook, with the same outputs
@@ -19,7 +19,7 @@ being built: a cell that wrote a file would show up in the site, and the tests c
 that none does. The profile comes from $ANNOTATED_TRANSFORMER_PROFILE (the book's
 default, `quick`, when unset) and Part 3 finds Multi30k through
 $ANNOTATED_TRANSFORMER_DATA. The Chinese notebook is built from its catalogue
-(tools/translation.py) before anything runs, so a cell without a current
+(tools.translation) before anything runs, so a cell without a current
 translation stops the build at once. The folder is built beside --out and replaces
 it only once complete, so a failed build leaves the previous site as it was.
 """
@@ -30,8 +30,6 @@ import shutil
 import sys
 import time
 from pathlib import Path
-
-from load import load_module
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BOOK = REPO_ROOT / "the_annotated_transformer.py"
@@ -48,8 +46,7 @@ class BuildError(Exception):
 
 def check_environment(environ):
     """Fail early, in one line, on a profile or data folder the notebook cannot use."""
-    book = load_module("the_annotated_transformer", BOOK)
-    DATA_ENV, PROFILES = book.DATA_ENV, book.PROFILES
+    from the_annotated_transformer import DATA_ENV, MULTI30K_SHA256, PROFILES
 
     profile = environ.get(PROFILE_ENV, "quick")
     if profile not in PROFILES:
@@ -63,7 +60,7 @@ def check_environment(environ):
             "Multi30k folder (make site DATA_DIR=...) or unset it."
         )
     folder = Path(data) if data else None
-    missing = [n for n in book.MULTI30K_SHA256 if folder and not (folder / n).is_file()]
+    missing = [n for n in MULTI30K_SHA256 if folder and not (folder / n).is_file()]
     if missing:  # the notebook would skip Part 3's examples: a broken site
         raise BuildError(
             f"${DATA_ENV} names {data}, which lacks {', '.join(missing)}; fill it "
@@ -137,7 +134,7 @@ def editions_seen_from(language):
 def translated_notebook(lang):
     """The LANG notebook built from its catalogue; BuildError, saying which cells,
     when one has no current translation."""
-    import translation
+    from tools import translation
 
     try:
         notebook, _ = translation.translated_notebook(lang)
@@ -173,9 +170,10 @@ def build_site(out):
     profile = check_environment(os.environ)
     import jupytext  # the notebook tools, a second of imports: after the checks
     import nbformat
-    from export_html import export_html
-    from repository import blob_url
-    from translation import ENGLISH_NOTEBOOK, notebook_name
+
+    from tools.export_html import export_html
+    from tools.repository import blob_url
+    from tools.translation import ENGLISH_NOTEBOOK, notebook_name
 
     chinese = translated_notebook("zh")  # before the minutes of running the book
     building = out.with_name(out.name + ".building")
@@ -218,7 +216,9 @@ def build_site(out):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.build_site", description=__doc__.partition("\n")[0]
+    )
     parser.add_argument("--out", default="site", help="the site's folder (site/)")
     args = parser.parse_args(argv)
     start = time.perf_counter()

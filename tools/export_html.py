@@ -1,6 +1,6 @@
 """Export an executed notebook as one self-contained HTML page (`make html`).
 
-    python tools/export_html.py notebooks/the_annotated_transformer.executed.ipynb
+    python -m tools.export_html notebooks/the_annotated_transformer.executed.ipynb
 
 The page fetches nothing from the network. nbconvert's own template loads MathJax,
 require.js and mermaid from CDNs; tools/offline.html.j2 drops the last two (the book
@@ -9,7 +9,7 @@ django-static-mathjax package instead. The book's charts (Vega-Lite outputs, wit
 PNG of each for viewers without JavaScript) are drawn in the page by Vega-Embed, so
 they stay interactive: its JavaScript, with Vega and Vega-Lite, is vl-convert's
 bundle, inlined once. The figures that markdown cells link to, by a path or by
-their address on the repository's main (tools/repository.py), are embedded from this
+their address on the repository's main (tools.repository), are embedded from this
 checkout as data URLs. The cells the book folds (Jupyter Book's hide-input,
 hide-output and hide-cell tags) are closed <details> folds, which the browser opens
 on a click without any script (the template's codecell, input_group and
@@ -17,7 +17,7 @@ output_group blocks). A translated edition (`--lang zh`) names its language in t
 page and a font stack for its script that falls back sensibly on readers' machines
 (FONT_STACKS); the site puts a link to each edition at the top of each page
 (`editions`).
-tools/build_site.py (`make site`) uses it too; tests/test_site.py opens its page in
+tools.build_site (`make site`) uses it too; tests/test_site.py opens its page in
 headless Chromium.
 """
 
@@ -31,10 +31,11 @@ from pathlib import Path
 
 import nbformat
 import vl_convert
-from load import load_module
 from nbconvert import HTMLExporter
 from nbconvert.preprocessors import Preprocessor
-from repository import raw_url
+
+from tools.repository import raw_url
+from workshop.files import atomic_write_text
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO_ROOT / "tools" / "offline.html.j2"
@@ -43,12 +44,6 @@ NOTEBOOKS = REPO_ROOT / "notebooks"
 # MathJax's single-file builds; the template inlines tex-svg-full.js, which holds every
 # TeX extension (nothing left to load on demand) and draws glyphs as SVG (no fonts).
 MATHJAX_ES5 = files("mathjax") / "static" / "mathjax" / "es5"
-
-
-# The workshop's one way to write a file (standard library only).
-atomic_write_text = load_module(
-    "workshop_files", REPO_ROOT / "workshop" / "files.py"
-).atomic_write_text
 
 
 class TitleFromFirstHeading(Preprocessor):
@@ -217,7 +212,9 @@ def export_html(
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.export_html", description=__doc__.partition("\n")[0]
+    )
     parser.add_argument("notebook", help="an executed .ipynb")
     parser.add_argument("--out", help="the HTML file (default: beside the notebook)")
     parser.add_argument(

@@ -1,7 +1,7 @@
 """Stop the site workflow early, with the one setting to change, when the
 repository's GitHub Pages does not publish from GitHub Actions.
 
-    python tools/pages.py OWNER/NAME
+    python -m tools.pages OWNER/NAME
 
 It asks GitHub's REST API (GET /repos/OWNER/NAME/pages) with $GITHUB_TOKEN, at
 $GITHUB_API_URL (GitHub's own address when unset). The workflow's token cannot turn
@@ -49,7 +49,7 @@ def pages_problem(repository, api=None, token=None, timeout=30):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1 or argv[0].count("/") != 1:
-        sys.exit("usage: python tools/pages.py OWNER/NAME")
+        sys.exit("usage: python -m tools.pages OWNER/NAME")
     problem = pages_problem(argv[0])
     if problem:
         sys.exit(f"error: {problem}")

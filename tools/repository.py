@@ -3,10 +3,10 @@
 outside the checkout (the "Open in Colab" links, the figures of a lone notebook)
 is derived from it, and tests/test_colab.py checks that they agree.
 
-    python tools/repository.py                  prints OWNER/NAME
-    python tools/repository.py --check O/N      exits 1, saying which line to set,
+    python -m tools.repository                  prints OWNER/NAME
+    python -m tools.repository --check O/N      exits 1, saying which line to set,
                                                 unless the address is github.com/O/N
-    python tools/repository.py --relink         rewrites the links of LINKING files
+    python -m tools.repository --relink         rewrites the links of LINKING files
                                                 to the address pyproject.toml names
 """
 
@@ -52,7 +52,7 @@ def colab_url(path, pyproject=PYPROJECT):
 # The files that link to the repository's own files from outside the checkout, and
 # the links' forms: each group 1 is an OWNER/NAME. The Chinese catalogue holds the
 # book's figures' addresses in each cell's English and its translation alike: both
-# are rewritten, so its entries stay current (tools/translation.py).
+# are rewritten, so its entries stay current (tools.translation).
 LINKING = (
     "README.md",
     "the_annotated_transformer.py",
@@ -83,7 +83,9 @@ def relink(root=REPO_ROOT, pyproject=PYPROJECT):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.repository", description=__doc__.partition("\n\n")[0]
+    )
     parser.add_argument("--check", metavar="OWNER/NAME")
     parser.add_argument("--relink", action="store_true")
     args = parser.parse_args(argv)
@@ -96,7 +98,7 @@ def main(argv=None):
         sys.exit(
             f"pyproject.toml names {GITHUB}{here} (the Repository line under "
             f"[project.urls]), but this is {args.check}: set that line to "
-            f"{GITHUB}{args.check}, then run `python tools/repository.py --relink` "
+            f"{GITHUB}{args.check}, then run `python -m tools.repository --relink` "
             "and `make notebook`, and commit what they change."
         )
 

@@ -1,16 +1,17 @@
 """The committed `multi30k` run's Results, as the book shows them: its row of the
 README's table and its five example translations, generated from
-results/multi30k.json with the workshop's own Markdown (workshop/reports.py). The
+results/multi30k.json with the workshop's own Markdown (workshop/report/reports.py). The
 book holds them as text, so that a notebook opened alone shows them too.
 
-    python tools/results_table.py      prints the lines, as the book's markdown cell
+    python -m tools.results_table    prints the lines, as the book's markdown cell
 
 tests/test_colab.py checks that the book holds exactly these lines.
 """
 
 import json
-import sys
 from pathlib import Path
+
+from workshop.report.reports import RESULTS_HEADER, results_row
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECORD = REPO_ROOT / "results" / "multi30k.json"
@@ -18,9 +19,6 @@ RECORD = REPO_ROOT / "results" / "multi30k.json"
 
 def results_lines(record_path=RECORD):
     """The Markdown lines of the run's table and examples."""
-    sys.path.insert(0, str(REPO_ROOT))
-    from workshop.reports import RESULTS_HEADER, results_row
-
     record = json.loads(Path(record_path).read_text(encoding="utf-8"))
     examples = ["| German | Reference | Greedy | Beam |", "|---|---|---|---|"]
     for example in record["examples"]:

@@ -2,12 +2,12 @@
 markdown cell, and the notebook each catalogue builds (the English code cells,
 character for character, with the translated prose).
 
-    python tools/translation.py extract [LANG]    the book's markdown into the catalogue
-    python tools/translation.py merge FILE... [--lang LANG] [--dry-run]
+    python -m tools.translation extract [LANG]    the book's markdown into the catalogue
+    python -m tools.translation merge FILE... [--lang LANG] [--dry-run]
                                                   translated PO files into the catalogue
-    python tools/translation.py build [LANG] [--allow-missing]
+    python -m tools.translation build [LANG] [--allow-missing]
                                                   the catalogue into the LANG notebook
-    python tools/translation.py check [LANG]      what is missing, stale or off-glossary
+    python -m tools.translation check [LANG]      what is missing, stale or off-glossary
 
 Each entry's msgid is an English markdown cell as the reader sees it, and its
 msgctxt says where the cell is: the heading it stands under and its place there
@@ -38,7 +38,8 @@ from urllib.parse import unquote
 import jupytext
 import nbformat
 import polib
-from repository import blob_url, colab_url
+
+from tools.repository import blob_url, colab_url
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BOOK = REPO_ROOT / "the_annotated_transformer.py"
@@ -486,7 +487,7 @@ def translated_notebook(lang, book=BOOK, catalogue=None, allow_missing=False):
     path = Path(catalogue or catalogue_path(lang))
     if not path.is_file():
         raise TranslationError(
-            f"no catalogue {path}: run `python tools/translation.py extract {lang}`"
+            f"no catalogue {path}: run `python -m tools.translation extract {lang}`"
         )
     entries = polib.pofile(str(path))
     by_key = {(e.msgctxt, e.msgid): e for e in entries if not e.obsolete}
@@ -610,7 +611,9 @@ def catalogue_problems(lang, book=BOOK, catalogue=None):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.translation", description=__doc__.partition("\n\n")[0]
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     languages = sorted(LANGUAGES)
     for name in ("extract", "build", "check"):

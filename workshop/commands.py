@@ -4,27 +4,21 @@ cli.py, this module imports torch, the book and the rest of the workshop."""
 
 from __future__ import annotations
 
-import math
 import secrets
 import sys
 from pathlib import Path
 
-from the_annotated_transformer import (
-    MULTI30K_URL,
-    CopyTaskConfig,
-    data_dir_from_env,
-    default_data_dir,
-    example_simple_model,
-)
-from workshop.checkpoints import average_checkpoints
-from workshop.errors import UsageError
-from workshop.figures import save_attention_maps, save_figures
+import the_annotated_transformer as tat
+from workshop.errors import require
 from workshop.multi30k import download_multi30k
-from workshop.reproduce import reproduce
-from workshop.scoring import evaluate
-from workshop.settings import RunConfig
-from workshop.training import train_model
-from workshop.translation import Progress, decode_options, load_translator
+from workshop.report.figures import save_attention_maps, save_figures
+from workshop.report.reproduce import reproduce
+from workshop.run.checkpoints import average_checkpoints
+from workshop.run.settings import RunConfig
+from workshop.run.training import train_model
+from workshop.translate import translation
+from workshop.translate.scoring import evaluate
+from workshop.translate.translation import load_translator
 
 
 def run(args):
@@ -35,61 +29,27 @@ def run(args):
 def data_dir_of(args):
     """--data-dir, else $ANNOTATED_TRANSFORMER_DATA, else the book's default folder
     (data/multi30k in the checkout, which `make data` fills)."""
-    return Path(args.data_dir or data_dir_from_env() or default_data_dir())
-
-
-def numbers(text, flag, kind, example):
-    """A comma-separated list of numbers from the command line, as a tuple."""
-    try:
-        values = tuple(kind(part) for part in text.split(","))
-    except ValueError:
-        values = ()
-    whole = kind is int
-    if not values or not all(
-        value >= 1 if whole else math.isfinite(value) and value > 0 for value in values
-    ):
-        each = "at least 1" if whole else "a finite number above 0"
-        raise UsageError(
-            f"{flag} takes numbers separated by commas, each {each}, like {example}; "
-            f"got {text!r}."
-        )
-    return values
+    return Path(args.data_dir or tat.data_dir_from_env() or tat.default_data_dir())
 
 
 def copy(args):
     """The book's copy task, as its example_simple_model runs it, on --device."""
-    defaults = CopyTaskConfig()
-    config = CopyTaskConfig(
-        epochs=args.epochs or defaults.epochs,
-        seed=defaults.seed if args.seed is None else args.seed,
-    )
-    _, exact = example_simple_model(config, quiet=args.quiet, device=args.device)
+    given = dict(epochs=args.epochs, seed=args.seed)
+    config = tat.CopyTaskConfig(**{k: v for k, v in given.items() if v is not None})
+    _, exact = tat.example_simple_model(config, quiet=args.quiet, device=args.device)
     return 0 if exact else 1
 
 
 def download(args):
-    download_multi30k(
-        data_dir_of(args), base_url=args.base_url or MULTI30K_URL, timeout=args.timeout
-    )
+    url, data_dir = args.base_url or tat.MULTI30K_URL, data_dir_of(args)
+    download_multi30k(data_dir, base_url=url, timeout=args.timeout)
 
 
 def train_changes(args):
     """The settings the train command's options change."""
-    changes = {
-        key: value
-        for key, value in (
-            ("epochs", args.epochs),
-            ("max_tokens", args.max_tokens),
-            ("accum_iter", args.accum_iter),
-            ("time_limit", args.time_limit),
-            ("vocab", args.vocab),
-            ("bpe_vocab_size", args.bpe_vocab_size),
-            ("keep_checkpoints", args.keep_checkpoints),
-        )
-        if value is not None
-    }
-    if args.bf16:
-        changes["bf16"] = True
+    names = "epochs max_tokens accum_iter precision time_limit vocab bpe_vocab_size"
+    names = (*names.split(), "keep_checkpoints")
+    changes = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     if args.share_embeddings:
         changes["share_embeddings"] = changes["tie_generator"] = True
     if args.resume and args.profile is not None:
@@ -98,32 +58,26 @@ def train_changes(args):
 
 
 def train(args):
-    changes = train_changes(args)
-    options = dict(nprocs=args.nprocs, quiet=args.quiet, device=args.device)
-    if args.resume:  # the run's own settings; only RESUMABLE ones may change
-        train_model(
-            None, data_dir_of(args), args.out, resume=True, changes=changes, **options
-        )
-        return
-    if args.epochs is not None:
-        changes["flop_budget"] = None  # the epochs asked for, not the budget's
-    config = RunConfig.from_profile(args.profile or "quick", **changes)
+    changes, options = train_changes(args), vars(args)
+    options = {k: options[k] for k in ("nprocs", "quiet", "device")}
+    config = None  # resuming: the run's own settings; only RESUMABLE ones change
+    if args.resume:
+        options.update(resume=True, changes=changes)
+    else:
+        if args.epochs is not None:
+            changes["flop_budget"] = None  # the epochs asked for, not the budget's
+        config = RunConfig.from_profile(args.profile or "quick", **changes)
     train_model(config, data_dir_of(args), args.out, **options)
 
 
 def sentences_to_translate(arguments):
     """The sentences given on the command line, else the lines of stdin: one
     sentence each, blank ones kept (each gets a blank line in answer)."""
-    sentences = [s.strip() for s in arguments]
-    if not sentences:
-        if sys.stdin.isatty():
-            print("German sentences, one per line; end with Ctrl-D:", file=sys.stderr)
-        sentences = [line.strip() for line in sys.stdin]
-    if not any(sentences):
-        raise UsageError(
-            "translate: no sentences given. Pass them as arguments, or one per line "
-            "on standard input."
-        )
+    if not arguments and sys.stdin.isatty():
+        print("German sentences, one per line; end with Ctrl-D:", file=sys.stderr)
+    sentences = [s.strip() for s in arguments or sys.stdin]
+    no = "translate: no sentences given: pass them as arguments, or one per line on "
+    require(any(sentences), no + "standard input.")
     return sentences
 
 
@@ -131,34 +85,28 @@ def translate_options(args):
     """Translator.translate's decoding options for translate's arguments (a beam
     of K for --n-best K unless --beam says otherwise); a sample without --seed gets
     a fresh seed, said on stderr so that it can be drawn again."""
-    seed = args.seed
-    if args.sample and seed is None:
-        seed = secrets.randbits(31)
-        print(
-            f"sampling with --seed {seed} (pass it to draw the same translations "
-            "again)",
-            file=sys.stderr,
-        )
     beam = args.beam or (1 if args.sample else args.n_best)
-    sampling = dict(temperature=args.temperature or 1.0, top_k=args.top_k)
-    sampling |= dict(top_p=args.top_p, seed=seed)
-    return decode_options(beam, args.alpha, sample=args.sample, **sampling)
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    sampling |= dict(sample=args.sample, seed=args.seed, flags=True)
+    options = translation.decode_options(beam, args.alpha, **sampling)
+    translation.check_n_best(args.n_best, options, flags=True)
+    if args.sample and args.seed is None:
+        options["seed"] = secrets.randbits(31)
+        again = "pass it to draw the same translations again"
+        print(f"sampling with --seed {options['seed']} ({again})", file=sys.stderr)
+    return options
 
 
 def translate(args):
     options = translate_options(args)
     translator = load_translator(args.checkpoint, args.device)
     sentences = sentences_to_translate(args.sentences)
-    found = translator.translate(
-        sentences, n_best=args.n_best, progress=Progress(), **options
-    )
-    if args.n_best == 1:
-        for line in found:
-            print(line)
-        return
-    for number, hypotheses in enumerate(found, 1):
-        for text, score in hypotheses:
-            print(f"{number}\t{score:.4f}\t{text}")
+    options.update(n_best=args.n_best, progress=translation.Progress())
+    found = translator.translate(sentences, **options)
+    for number, answer in enumerate(found, 1):
+        lines = [answer] if args.n_best == 1 else answer
+        for line in lines:
+            print(line if args.n_best == 1 else f"{number}\t{line[1]:.4f}\t{line[0]}")
 
 
 def figures(args):
@@ -166,34 +114,17 @@ def figures(args):
 
 
 def evaluate_command(args):
-    evaluate(
-        args.checkpoint,
-        data_dir_of(args),
-        args.split,
-        args.beam,
-        args.output,
-        args.batch_size,
-        alpha=args.alpha,
-        device=args.device,
-    )
+    where = (args.checkpoint, data_dir_of(args), args.split, args.beam, args.output)
+    evaluate(*where, args.batch_size, alpha=args.alpha, device=args.device)
 
 
 def reproduce_command(args):
     out = args.out or Path("runs") / args.profile
     results = args.results or out
-    reproduce(
-        args.profile,
-        data_dir_of(args),
-        out,
-        results,
-        args.images or results,
-        windows=numbers(args.average, "--average", int, "2,3,5"),
-        beam_sizes=numbers(args.beam, "--beam", int, "4,6"),
-        alphas=numbers(args.alphas, "--alphas", float, "0.6,1.0"),
-        train=not args.no_train,
-        limit=args.limit,
-        device=args.device,
-    )
+    folders = (data_dir_of(args), out, results, args.images or results)
+    searches = dict(windows=args.average, beam_sizes=args.beam, alphas=args.alphas)
+    run = dict(train=not args.no_train, limit=args.limit, device=args.device)
+    reproduce(args.profile, *folders, **searches, **run)
 
 
 def average(args):
@@ -202,26 +133,11 @@ def average(args):
 
 
 def attention(args):
-    paths = save_attention_maps(
-        args.checkpoint,
-        args.sentence,
-        args.out,
-        args.layer,
-        args.heads,
-        device=args.device,
-    )
-    for path in paths:
+    drawn = (args.checkpoint, args.sentence, args.out, args.layer, args.heads)
+    for path in save_attention_maps(*drawn, device=args.device):
         print(f"wrote {path}")
 
 
-RUNNERS = {
-    "copy": copy,
-    "download": download,
-    "train": train,
-    "translate": translate,
-    "figures": figures,
-    "evaluate": evaluate_command,
-    "reproduce": reproduce_command,
-    "average": average,
-    "attention": attention,
-}
+RUNNERS = dict(copy=copy, download=download, train=train, translate=translate)
+RUNNERS |= dict(evaluate=evaluate_command, average=average, attention=attention)
+RUNNERS |= dict(reproduce=reproduce_command, figures=figures)

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import contextlib
 
-USAGE, FAILURE, INTERRUPTED = 2, 1, 130
-
 
 class UsageError(ValueError):
     """What the user passed (an option, an argument of the library) cannot work;
@@ -35,6 +33,12 @@ class UsageError(ValueError):
 
 class DataError(ValueError):
     """A data file is missing, damaged or inconsistent; the message says what to do."""
+
+
+def require(ok, message):
+    """Raise a UsageError(message) unless `ok`: what the caller passed cannot work."""
+    if not ok:
+        raise UsageError(message)
 
 
 @contextlib.contextmanager
@@ -52,10 +56,8 @@ def checking_input():
 def exit_status(error):
     """The exit status of the command line for `error` (see the module's doc)."""
     if isinstance(error, KeyboardInterrupt):
-        return INTERRUPTED
-    if isinstance(error, UsageError):
-        return USAGE
-    return FAILURE
+        return 130
+    return 2 if isinstance(error, UsageError) else 1
 
 
 def is_expected(error):
@@ -68,9 +70,6 @@ def is_expected(error):
 def is_out_of_memory(error):
     """Whether `error` says the device (a GPU, Apple's MPS or the CPU) ran out of
     memory: torch.OutOfMemoryError, or the CPU's and MPS's allocators' RuntimeError."""
-    if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and (
-        "out of memory" in text or "can't allocate memory" in text
-    )
+    memory = isinstance(error, MemoryError) or "OutOfMemory" in type(error).__name__
+    text = str(error) * isinstance(error, RuntimeError)
+    return memory or "out of memory" in text or "can't allocate memory" in text

@@ -3,7 +3,7 @@
 Every file the project writes (checkpoints, vocabularies, results, figures, the
 site's page) goes through `atomic_write`: the bytes go to a temporary file with a
 unique name in the same folder, are flushed to disk, and the temporary file is then
-renamed over the target, and the folder flushed too. A reader sees the old file or
+renamed over the target. A reader sees the old file or
 the new one, never a mixture; a write that fails leaves the old file as it was and
 no temporary file behind. A write that finds the disk full raises DiskFullError,
 which says where and how much space is free, even when the OSError of the full disk
@@ -15,6 +15,7 @@ its path without importing the rest of the workshop.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -31,8 +32,8 @@ class DiskFullError(OSError):
 
     def __init__(self, message, path, written, free):
         super().__init__(message)
-        self.errno = errno.ENOSPC
-        self.path, self.written, self.free = path, written, free
+        self.errno, self.path = errno.ENOSPC, path
+        self.written, self.free = written, free
 
 
 def megabytes(n):
@@ -40,38 +41,13 @@ def megabytes(n):
     return f"{n / 1e6:.1f} MB"
 
 
-def no_space_left(error):
+def no_space_left(error, depth=0):
     """Whether `error`, or an error it was raised from or during, says the disk
     is full."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in NO_SPACE:
-            return True
-        error = error.__cause__ or error.__context__
-    return False
-
-
-def free_bytes(folder):
-    """Bytes free for this user on the file system of `folder` (None if unknown)."""
-    try:
-        return shutil.disk_usage(folder).free
-    except OSError:
-        return None
-
-
-def _fsync_folder(folder):
-    """Flush a folder's entries (the rename) to disk, where the system allows it."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # Windows cannot open a folder; its rename is durable enough
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    if error is None or depth > 20:
+        return False
+    full = isinstance(error, OSError) and error.errno in NO_SPACE
+    return full or no_space_left(error.__cause__ or error.__context__, depth + 1)
 
 
 def atomic_write(path, write):
@@ -89,27 +65,24 @@ def atomic_write(path, write):
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as error:
-        written = Path(tmp).stat().st_size if Path(tmp).exists() else 0
+        written = os.stat(tmp).st_size if os.path.exists(tmp) else 0
         Path(tmp).unlink(missing_ok=True)
         if no_space_left(error):
             raise disk_full(path, written) from error
         raise
-    _fsync_folder(path.parent)
     return path
 
 
 def disk_full(path, written):
     """The DiskFullError of a write of `path` that stopped after `written` bytes."""
-    free = free_bytes(path.parent)
-    room = "" if free is None else f", {megabytes(free)} free there"
-    return DiskFullError(
-        f"no space left on the device of {path.parent} ({megabytes(written)} of "
-        f"{path.name} written{room}): {path} is as it was before. Free some space, "
-        "then run the command again.",
-        path,
-        written,
-        free,
-    )
+    free = room = None
+    with contextlib.suppress(OSError):
+        free = shutil.disk_usage(path.parent).free
+        room = f", {megabytes(free)} free there"
+    done = f"{megabytes(written)} of {path.name} written{room or ''}"
+    message = f"no space left on the device of {path.parent} ({done}): {path} is as "
+    message += "it was before. Free some space, then run the command again."
+    return DiskFullError(message, path, written, free)
 
 
 def why_unwritable(path, folder=False):

@@ -1,0 +1,1 @@
+"""Reports: reproducing the README's results, their pages and figures."""

@@ -1,0 +1,1 @@
+"""Translating with a trained checkpoint, and scoring translations (BLEU)."""
