@@ -1960,10 +1960,12 @@ class LabelSmoothing(nn.Module):
         """x: (n, size) log-probabilities; target: (n,) ids. Returns the summed loss."""
         self.last_target = target.detach()
         # sum_c q_c (log q_c - x_c), with q's two values taken out of the sum.
-        x_target = x.gather(1, target.unsqueeze(1)).squeeze(1)  # (n,)
+        wide = torch.promote_types(x.dtype, torch.float32)  # bfloat16 adds in float32
+        x_target = x.gather(1, target.unsqueeze(1)).squeeze(1).to(wide)  # (n,)
         loss = self.neg_entropy - self.confidence * x_target
         if self.spread > 0:  # the words that are neither the target nor padding
-            x_others = x.sum(1) - x[:, self.padding_idx] - x_target
+            x_pad = x[:, self.padding_idx].to(wide)
+            x_others = x.sum(1).to(wide) - x_pad - x_target
             loss = loss - self.spread * x_others
         return loss.masked_fill(target == self.padding_idx, 0.0).sum()
 
@@ -2081,7 +2083,8 @@ class SimpleLossCompute:
         """Summed negative log-likelihood of the targets y, skipping padding."""
         log_probs = self.generator(x).flatten(0, -2)  # (tokens, vocab)
         pad = self.criterion.padding_idx
-        return F.nll_loss(log_probs, y.reshape(-1), ignore_index=pad, reduction="sum")
+        nll = F.nll_loss(log_probs, y.reshape(-1), ignore_index=pad, reduction="none")
+        return nll.sum(dtype=torch.promote_types(nll.dtype, torch.float32))
 
 
 # %% [markdown]

@@ -148,7 +148,7 @@ def copy_batches(n=4, batch_size=16, seed=1):
     return list(tat.data_gen(COPY_VOCAB, batch_size, n, generator=gen))
 
 
-def test_autocast_runs_the_wrapped_forward_in_bfloat16_and_returns_float32():
+def test_autocast_runs_the_wrapped_forward_in_bfloat16():
     torch.manual_seed(0)
     model = tat.make_model(COPY_VOCAB, COPY_VOCAB, N=2, d_model=32, d_ff=64, h=4)
     wrapped = precision.Autocast(model).eval()
@@ -173,8 +173,8 @@ def test_autocast_runs_the_wrapped_forward_in_bfloat16_and_returns_float32():
         (torch.bfloat16, True),
     ]
     assert not torch.is_autocast_enabled("cpu")  # switched off again after
-    assert ours.dtype == torch.float32
-    assert torch.equal(ours, direct.float())  # autocast by hand, then float32
+    assert ours.dtype == direct.dtype  # the dtype autocast gives the last layer
+    assert torch.equal(ours, direct)  # autocast by hand
     assert not torch.equal(ours, plain)  # ... and not the float32 computation
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert list(wrapped.state_dict()) == [f"model.{k}" for k in model.state_dict()]
@@ -218,11 +218,15 @@ def test_a_bf16_model_and_loss_train_through_the_books_run_epoch():
         model.generator, criterion, torch.bfloat16
     )
     scores, log_probs = [], []  # the generator's products, and what the loss gets
+    losses = []  # the label-smoothed loss's sums
     model.generator.proj.register_forward_hook(
         lambda module, inputs, output: scores.append(output.dtype)
     )
     loss_compute.generator.register_forward_hook(
         lambda module, inputs, output: log_probs.append(output.dtype)
+    )
+    criterion.register_forward_hook(
+        lambda module, inputs, output: losses.append(output.dtype)
     )
     batches = copy_batches()
     before, _ = tat.run_epoch(batches, evaluated, loss_compute, mode="eval")
@@ -232,7 +236,8 @@ def test_a_bf16_model_and_loss_train_through_the_books_run_epoch():
         tat.run_epoch(batches, trained, loss_compute, optimizer, train_state=state)
     after, _ = tat.run_epoch(batches, evaluated, loss_compute, mode="eval")
     assert scores == [torch.bfloat16] * len(batches) * 12
-    assert log_probs == [torch.float32] * len(batches) * 12
+    assert log_probs == [torch.bfloat16] * len(batches) * 12
+    assert losses == [torch.float32] * len(batches) * 10  # summed in float32
     assert state.step == 40 and math.isfinite(after)
     assert after < before / 2  # the untrained NLL is about log(11) = 2.4
     assert all(p.dtype == torch.float32 for p in model.parameters())

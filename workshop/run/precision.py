@@ -57,9 +57,9 @@ def run_precision(setting, device, say=print, distributed=False, recorded=None):
 
 class Autocast(nn.Module):
     """The wrapped module, its forward pass run under torch.autocast to `dtype`
-    (bfloat16 by default) on the device of its parameters, and its output
-    returned in float32, so that what follows (the loss and its sums) adds in
-    float32. It holds no weights of its own: train and save the wrapped module."""
+    (bfloat16 by default) on the device of its parameters (the book's loss and
+    NLL add their sums in float32). It holds no weights of its own: train and save
+    the wrapped module."""
 
     def __init__(self, model, dtype=torch.bfloat16):
         super().__init__()
@@ -68,7 +68,7 @@ class Autocast(nn.Module):
     def forward(self, *args):
         device_type = next(self.model.parameters()).device.type
         with torch.autocast(device_type, dtype=self.dtype):
-            return self.model(*args).float()
+            return self.model(*args)
 
 
 def use_tf32(device, say=print):
