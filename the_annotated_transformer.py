@@ -1935,9 +1935,8 @@ class LabelSmoothing(nn.Module):
         self.padding_idx, self.size = padding_idx, size
         self.confidence, self.smoothing = 1.0 - smoothing, smoothing
         self.spread = smoothing / (size - 2)  # q of a word not the target nor padding
-        values = ((1.0 - smoothing, 1), (self.spread, size - 2))  # (q_c, how many)
-        # sum_c q_c log q_c, the same for every row whose target is not padding:
-        self.neg_entropy = sum(n * q * math.log(q) for q, n in values if q > 0)
+        q_counts = ((1.0 - smoothing, 1), (self.spread, size - 2))  # q_c, how many
+        self.neg_entropy = sum(n * q * math.log(q) for q, n in q_counts if q > 0)
         self.last_target = None  # the target ids of the last call, for true_dist
 
     def smoothed_targets(self, target, dtype=None):
@@ -1959,13 +1958,12 @@ class LabelSmoothing(nn.Module):
     def forward(self, x, target):
         """x: (n, size) log-probabilities; target: (n,) ids. Returns the summed loss."""
         self.last_target = target.detach()
-        # sum_c q_c (log q_c - x_c), with q's two values taken out of the sum.
+        # A row's sum_c q_c (log q_c - x_c) = neg_entropy - q's two values times x.
         wide = torch.promote_types(x.dtype, torch.float32)  # bfloat16 adds in float32
         x_target = x.gather(1, target.unsqueeze(1)).squeeze(1).to(wide)  # (n,)
         loss = self.neg_entropy - self.confidence * x_target
         if self.spread > 0:  # the words that are neither the target nor padding
-            x_pad = x[:, self.padding_idx].to(wide)
-            x_others = x.sum(1).to(wide) - x_pad - x_target
+            x_others = x.sum(1).to(wide) - x[:, self.padding_idx].to(wide) - x_target
             loss = loss - self.spread * x_others
         return loss.masked_fill(target == self.padding_idx, 0.0).sum()
 

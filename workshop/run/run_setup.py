@@ -90,9 +90,9 @@ def models_for_run(module, amp_dtype=None, distributed=False, device=None):
 
 def loss_compute_for_run(generator, criterion, amp_dtype=None, distributed=False):
     """The book's SimpleLossCompute of `generator` and `criterion`, with the
-    generator under Autocast for a bfloat16 amp_dtype (its log-probabilities
-    returned in float32), and each micro-batch's norm the mean of the processes'
-    when `distributed` (DistributedLossCompute)."""
+    generator under Autocast for a bfloat16 amp_dtype (the book's loss and NLL
+    add their sums in float32), and each micro-batch's norm the mean of the
+    processes' when `distributed` (DistributedLossCompute)."""
     if amp_dtype is not None:
         generator = Autocast(generator, amp_dtype)
     loss_compute = SimpleLossCompute(generator, criterion)
