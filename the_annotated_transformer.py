@@ -161,13 +161,10 @@ if in_notebook() and (missing := missing_requirements()):  # nothing, on import
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
 def show_example(fn, *args, **kwargs):
-    """Run `fn`, but only inside the notebook; show a chart, a Markdown table or an
-    image it returns (examples print everything else)."""
+    """Run `fn`, but only inside the notebook (None elsewhere), and return what it
+    returns, an altair chart wrapped to draw offline."""
     result = fn(*args, **kwargs) if in_notebook() else None
-    kind = type(result).__module__
-    if kind.startswith("altair"):
-        return ChartOutput(result)
-    return result if kind.startswith("IPython") else None
+    return ChartOutput(result) if type(result).__module__.startswith("altair") else result
 
 
 class ChartOutput:
@@ -4486,6 +4483,20 @@ class DummyOptimizer(DummyScheduler):
     def zero_grad(self, set_to_none=False):
         """Do nothing."""
 
+
+# %% [markdown]
+# ## Appendix
+#
+# Proofs and equivalences a first reading can skip. They run and are tested like the
+# rest of the book.
+
+# %% [markdown]
+# ### Appendix A: the same computation as PyTorch's own Transformer
+#
+# (placeholder: Part 1 moves its comparison with `torch.nn.Transformer` here)
+
+# %% [markdown]
+# ### Appendix B: (placeholder: Part 2's derivations move here)
 
 # %% [markdown]
 # ## Running the book as a script
