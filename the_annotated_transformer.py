@@ -18,86 +18,39 @@
 #
 # A line-by-line, runnable reading of
 # [*Attention Is All You Need*](https://arxiv.org/abs/1706.03762) (Vaswani et al., 2017)
-# in PyTorch. Every class the paper describes is defined here, in the order a reader
-# needs it, next to a short explanation and a small cell that checks a claim.
-#
-# This project follows the spirit of Harvard NLP's
-# [Annotated Transformer](https://nlp.seas.harvard.edu/annotated-transformer/)
-# (2018, revised 2022) and keeps its public names and signatures: that notebook's own
-# example code (its masks, `greedy_decode`, its copy task with `DummyOptimizer` and
-# `DummyScheduler`, a state dict saved by its `make_model`) runs here, and the few
-# names whose signatures differ are listed at the end, in [What changed from the
-# 2018/2022 notebook](#What-changed-from-the-2018/2022-notebook). Unlike it, this
-# version runs on a laptop CPU, needs no torchtext, no dead dataset links and no GPU,
-# and its claims are tested (see `tests/`).
-#
-# **Reading it beside the paper.** Each component names the section and equation of
-# the paper it implements, as in *§3.2.1, Eq. (1)*, so a reader with the paper open
-# can check every piece. Code cells marked *show code* are folded: they hold support a
-# reader need not read to follow the Transformer (downloads, input checks, plotting,
-# compatibility with the 2018/2022 notebook). Unfold any of them to see it.
+# in PyTorch, after Harvard NLP's
+# [Annotated Transformer](https://nlp.seas.harvard.edu/annotated-transformer/) (2018,
+# revised 2022), whose public names and example code still work here. Each component
+# names the paper's section and equation, as in *§3.2.1, Eq. (1)*, so you can read it
+# with the paper open. The prose is ours; our own asides are block quotes that start
+# with **Note**, or sentences that start *Our choice:* or *Our reading:*. Folded cells
+# hold support you need not read. How to run the book (Colab, JupyterLab, a script, a
+# library) and what its two environment variables change:
+# [docs/notebook.md](https://github.com/annotated-transformer/annotated-transformer/blob/main/docs/notebook.md).
 #
 # **Contents**
 #
-# 0. [Preliminaries](#Preliminaries)
-# 1. [Background](#Background)
-# 2. [Part 1: Model architecture](#Part-1:-Model-architecture)
-# 3. [Part 2: Model training](#Part-2:-Model-training), with
+# 0. [Preliminaries](#Preliminaries) and [Background](#Background)
+# 1. [Part 1: Model architecture](#Part-1:-Model-architecture)
+# 2. [Part 2: Model training](#Part-2:-Model-training), with
 #    [a first example: learning to copy](#A-first-example:-learning-to-copy) and
 #    [what goes wrong: the classic bugs](#What-goes-wrong:-the-classic-bugs)
-# 4. [Part 3: A real example — German to English on Multi30k](#Part-3:-A-real-example-—-German-to-English-on-Multi30k)
-# 5. [Part 4: Additional components](#Part-4:-Additional-components): subwords, the
+# 3. [Part 3: A real example — German to English on Multi30k](#Part-3:-A-real-example-—-German-to-English-on-Multi30k)
+# 4. [Part 4: Additional components](#Part-4:-Additional-components): subwords, the
 #    key/value cache, beam search, checkpoint averaging
-# 6. [Part 5: Results](#Part-5:-Results): BLEU, the `multi30k` run, attention maps
-# 7. [Conclusion](#Conclusion), and [what changed from the 2018/2022
-#    notebook](#What-changed-from-the-2018/2022-notebook)
-#
-# **How to run it**
-#
-# * In a browser, with nothing installed: [open it in Google Colab](https://colab.research.google.com/github/annotated-transformer/annotated-transformer/blob/main/notebooks/the_annotated_transformer.ipynb)
-#   and run all cells. The notebook runs there alone, on the Python, PyTorch, NumPy
-#   and pandas Colab already has; the folded setup cell under Preliminaries installs
-#   what else it imports, only if it is missing. On a GPU, such as Colab's T4, the
-#   book picks CUDA and trains in float32, which every GPU supports.
-# * As a notebook: `make lab` opens it in JupyterLab; run all cells. Part 3 downloads
-#   the Multi30k data set (six files, 1.3 MB) into `data/multi30k` the first time it
-#   needs it.
-# * As a library: `from the_annotated_transformer import make_model, Batch, run_epoch`.
-#   Importing the module trains nothing, downloads nothing and draws nothing.
-# * As a script: `python the_annotated_transformer.py` trains the copy task. Long
-#   training runs, checkpoints, evaluation and figures are the `workshop` package's
-#   command line beside this file (`python -m workshop --help`); the book never
-#   imports it and needs it for nothing.
-#
-# **Two environment variables**, set before starting Jupyter, change what the
-# examples do:
-#
-# * `ANNOTATED_TRANSFORMER_DATA`: a folder that already holds the Multi30k files;
-#   then nothing is downloaded.
-# * `ANNOTATED_TRANSFORMER_PROFILE`: `quick` (the default: the whole notebook in under
-#   10 minutes on a 2-core CPU), `smoke` (tiny models, for tests) or `base` (the
-#   paper's base model, for a GPU).
-#
-# **Whose words.** The prose explains the paper in our words and never quotes it.
-# Our own commentary is marked, always the same way: block quotes that start with
-# **Note** (tips, pitfalls, our choices, places where this code differs from the
-# paper), block quotes that start with **Changed** (a fix of the 2018/2022 notebook,
-# listed in full at the end), sentences that begin *Our reading:* or *Our choice:*, and
-# the sections that say so (the key/value cache, beam search's code, the Results).
+# 5. [Part 5: Results](#Part-5:-Results): BLEU, the `multi30k` run, attention maps
+# 6. [Conclusion](#Conclusion), [what changed from the 2018/2022
+#    notebook](#What-changed-from-the-2018/2022-notebook) and the
+#    [Appendix](#Appendix)
 
 # %% [markdown]
 # ## Preliminaries
 #
-# Only the standard library, NumPy and PyTorch are imported at the top. Plotting
-# (altair, pandas) and the language tools (spaCy, sacreBLEU) are imported inside the
-# functions that use them, which keeps `import the_annotated_transformer` fast.
-# Examples are wrapped in `show_example` (folded below): it runs them when this file
-# is executed as a notebook, and does nothing when the module is imported or run as a
-# script. The same folded cell installs those later imports where they are missing,
-# as in a notebook opened alone in Colab. A chart an example returns is drawn by JupyterLab without the network
-# (point at a heat map's cell for its value; click a legend entry to pick a line),
-# with a PNG of it for viewers that run no JavaScript, such as GitHub's. `PROFILE`
-# picks how much work the examples do.
+# Only the standard library, NumPy and PyTorch are imported at the top; plotting and
+# the language tools are imported inside the functions that use them, so
+# `import the_annotated_transformer` is fast and runs nothing. Examples are wrapped in
+# `show_example` (folded below), which runs them only when the book is executed as a
+# notebook. `PROFILE` picks how much work they do.
 
 # %%
 from __future__ import annotations
@@ -131,6 +84,30 @@ def in_notebook():
     return ipython is not None and ipython.get_ipython() is not None
 
 
+def show_example(fn, *args, **kwargs):
+    """Run `fn`, but only inside the notebook (None elsewhere), and return what it
+    returns, an altair chart wrapped to draw offline."""
+    result = fn(*args, **kwargs) if in_notebook() else None
+    return (
+        ChartOutput(result) if type(result).__module__.startswith("altair") else result
+    )
+
+
+class ChartOutput:
+    """An altair chart as a notebook output: the chart itself, and a PNG of it."""
+
+    def __init__(self, figure):
+        self.spec = figure.to_dict()
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        import vl_convert
+
+        png = base64.b64encode(vl_convert.vegalite_to_png(self.spec, scale=2))
+        kind = "application/vnd.vegalite.v5+json"  # JupyterLab 4's, for altair's too
+        return {kind: self.spec, "image/png": png.decode(), "text/plain": "<chart>"}
+
+
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 # What the book imports inside its functions, at requirements.txt's pins (a test
 # keeps them equal). A notebook opened alone, as in Colab, may lack some of them.
 # Torch, NumPy and pandas are never installed here: every notebook service has
@@ -160,27 +137,6 @@ if in_notebook() and (missing := missing_requirements()):  # nothing, on import
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
-def show_example(fn, *args, **kwargs):
-    """Run `fn`, but only inside the notebook (None elsewhere), and return what it
-    returns, an altair chart wrapped to draw offline."""
-    result = fn(*args, **kwargs) if in_notebook() else None
-    return ChartOutput(result) if type(result).__module__.startswith("altair") else result
-
-
-class ChartOutput:
-    """An altair chart as a notebook output: the chart itself, and a PNG of it."""
-
-    def __init__(self, figure):
-        self.spec = figure.to_dict()
-
-    def _repr_mimebundle_(self, include=None, exclude=None):
-        import vl_convert
-
-        png = base64.b64encode(vl_convert.vegalite_to_png(self.spec, scale=2))
-        kind = "application/vnd.vegalite.v5+json"  # JupyterLab 4's, for altair's too
-        return {kind: self.spec, "image/png": png.decode(), "text/plain": "<chart>"}
-
-
 def require(ok, message, error=ValueError):
     """Raise error(message) unless `ok`: bad input gets one line saying what to fix."""
     if not ok:
@@ -197,42 +153,31 @@ def check_positive_int(**sizes):
 # %% [markdown]
 # ## Background
 #
-# *The paper's §2 and §4.* Sequence models before the Transformer mostly read a
-# sentence one position at a time (recurrent networks) or through a stack of local
-# windows (convolutions). Recurrence cannot be spread over parallel hardware within
-# one sentence. Convolutional models such as the Extended Neural GPU
-# ([Kaiser and Bengio, 2016](https://arxiv.org/abs/1610.08613)), ByteNet
-# ([Kalchbrenner et al., 2017](https://arxiv.org/abs/1610.10099)) and ConvS2S
-# ([Gehring et al., 2017](https://arxiv.org/abs/1705.03122)) compute every position at
-# once, but the number of layers a signal crosses between two positions grows with
-# their distance, logarithmically for ByteNet and linearly for ConvS2S. Self-attention
-# connects every position to every other position in one step, at a cost that grows
-# with the square of the sentence length. It was not new: it had read text for
-# reading comprehension ([Cheng et al., 2016](https://arxiv.org/abs/1601.06733)),
-# entailment ([Parikh et al., 2016](https://arxiv.org/abs/1606.01933)), summarisation
-# ([Paulus et al., 2017](https://arxiv.org/abs/1705.04304)) and sentence embeddings
-# ([Lin et al., 2017](https://arxiv.org/abs/1703.03130)), and end-to-end memory
-# networks ([Sukhbaatar et al., 2015](https://arxiv.org/abs/1503.08895)) had answered
-# simple questions by attending over several hops instead of recurring over the
-# positions. The
-# Transformer is the first translation model that uses no recurrence and no
-# convolution at all.
+# *The paper's §2 and §4.* Before the Transformer, translation models read a sentence
+# one position at a time (recurrent networks), which cannot be spread over parallel
+# hardware within a sentence, or through stacks of local windows (convolutional models
+# such as [ByteNet](https://arxiv.org/abs/1610.10099) and
+# [ConvS2S](https://arxiv.org/abs/1705.03122)), where a signal between two distant
+# positions crosses many layers. Self-attention, already used in
+# [earlier reading models](https://arxiv.org/abs/1601.06733), links every pair of
+# positions in one step. The Transformer is the first translation model in which
+# positions exchange information through attention alone: no recurrence, and no
+# convolution across positions (its feed-forward layer, Part 1, works on each
+# position by itself).
 #
-# The paper's Table 1 (§4) compares the three kinds of layer for a sequence of length
-# $n$, representation size $d$ and convolution kernel width $k$:
+# The paper's Table 1 compares the layers for a sequence of length $n$,
+# representation size $d$ and convolution kernel width $k$:
 #
 # | Layer type | Work per layer | Sequential operations | Longest path between two positions |
 # |---|---|---|---|
 # | Self-attention | $O(n^2 \cdot d)$ | $O(1)$ | $O(1)$ |
 # | Recurrent | $O(n \cdot d^2)$ | $O(n)$ | $O(n)$ |
 # | Convolutional | $O(k \cdot n \cdot d^2)$ | $O(1)$ | $O(\log_k n)$ |
-# | Self-attention restricted to $r$ neighbours | $O(r \cdot n \cdot d)$ | $O(1)$ | $O(n/r)$ |
 #
-# For typical sentences $n$ is smaller than $d$ (a 30-word sentence against $d=512$), so
-# self-attention is also the cheapest of the three per layer. The paper argues that its
-# single-step path makes long-range dependencies easier to learn. It names the price
-# too: attention averages over positions, which blurs detail, and multi-head attention
-# (§3.2.2, below) is its answer.
+# Sentences are usually shorter than $d$ (30 words against $d = 512$), so
+# self-attention is also the cheapest per layer. Its price is that attention averages
+# over positions, which blurs detail; multi-head attention (§3.2.2) is the paper's
+# answer.
 
 # %% [markdown]
 # ## Part 1: Model architecture
