@@ -16,6 +16,7 @@ import os
 import re
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -1134,6 +1135,22 @@ def test_a_write_that_fails_half_way_keeps_the_old_file_and_leaves_no_temporary(
     assert names_in(tmp_path) == ["results.json"]
     files.atomic_write_text(path, "new")
     assert path.read_text() == "new" and names_in(tmp_path) == ["results.json"]
+
+
+def test_a_written_file_gets_the_umasks_mode_or_keeps_the_one_it_replaces(tmp_path):
+    from workshop import files
+
+    old_umask = os.umask(0o022)
+    try:
+        new = files.atomic_write_text(tmp_path / "new.txt", "x")
+        assert stat.S_IMODE(new.stat().st_mode) == 0o644
+        shared = tmp_path / "shared.txt"
+        shared.write_text("old")
+        shared.chmod(0o664)
+        files.atomic_write_text(shared, "new")
+        assert stat.S_IMODE(shared.stat().st_mode) == 0o664
+    finally:
+        os.umask(old_umask)
 
 
 @pytest.mark.parametrize(

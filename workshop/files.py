@@ -19,6 +19,7 @@ import contextlib
 import errno
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -57,8 +58,10 @@ def atomic_write(path, write):
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    mode = file_mode(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, mode)  # mkstemp's 0600 would hide the file from everyone else
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -71,6 +74,16 @@ def atomic_write(path, write):
             raise disk_full(path, written) from error
         raise
     return path
+
+
+def file_mode(path):
+    """The mode `open(path, "w")` would leave: the replaced file's, else 0666 less
+    the umask."""
+    with contextlib.suppress(FileNotFoundError):
+        return stat.S_IMODE(os.stat(path).st_mode)
+    umask = os.umask(0)  # reading the umask means setting it: put it straight back
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def disk_full(path, written):
