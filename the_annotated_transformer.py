@@ -2639,17 +2639,16 @@ show_example(example_inference_bugs)
 # %% [markdown]
 # ## Part 3: A real example — German to English on Multi30k
 #
-# Now a real translation task: German→English on
-# [Multi30k](https://github.com/multi30k/dataset) (task 1), image captions with one
-# translation each: 29,000 sentence pairs for training, 1,014 for validation and 1,000
-# for testing (`test_2016_flickr`). The paper trained on WMT 2014, 4.5 million
-# English–German pairs (§5.1); Multi30k is small enough for a laptop CPU. Six steps,
-# one section each: pairs, tokens, a vocabulary, batches, training, translating.
+# Now a real task: German→English on [Multi30k](https://github.com/multi30k/dataset)
+# (task 1), image captions: 29,000 sentence pairs for training, 1,014 for validation,
+# 1,000 for testing (`test_2016_flickr`). The paper trained on 4.5 million pairs of
+# WMT 2014 (§5.1); Multi30k fits a laptop CPU. Six steps: pairs, tokens, a
+# vocabulary, batches, training, translating.
 #
 # ### Pairs
 #
-# A split is two gzipped text files, `{split}.de.gz` and `{split}.en.gz`, one sentence
-# a line, the two files line-aligned.
+# A split is two gzipped files, `{split}.de.gz` and `{split}.en.gz`, one sentence a
+# line, line-aligned.
 
 
 # %%
@@ -2669,12 +2668,11 @@ def read_split(folder, split):
 
 
 # %% [markdown]
-# The folded cells below fetch the six files (1.3 MB) from the Multi30k project's
-# repository into `data/multi30k` (in the user's cache outside this repository), the
-# first time only, and keep a file only if its SHA-256 digest is the published one.
-# `notebook_data_dir` returns that folder, or the one the environment variable
-# `ANNOTATED_TRANSFORMER_DATA` names (then nothing is fetched). Without either it says
-# so in one line and returns `None`, and every example that needs the data skips.
+# The folded cells fetch the six files (1.3 MB) from the Multi30k repository into
+# `data/multi30k` (the user's cache outside this repository) once, keeping a file only
+# if its SHA-256 digest is the published one. `notebook_data_dir` returns that folder,
+# or the one `ANNOTATED_TRANSFORMER_DATA` names; without either it says why in one
+# line and returns `None`, and the examples that need the data skip.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -2762,12 +2760,11 @@ data_dir = show_example(notebook_data_dir)
 # %% [markdown]
 # ### Tokens
 #
-# Words are split by [spaCy](https://spacy.io)'s rule-based tokenizers for German and
-# English (punctuation, and exceptions such as "z.B." or "don't"). `spacy.blank("de")`
-# builds one from the language's rules with no model to download, so this works
-# offline. *Our reading:* the original downloaded spaCy's `de_core_news_sm` and
-# `en_core_web_sm` pipelines but used only their tokenizers, which are built from the
-# same rules; we have not compared them token for token.
+# [spaCy](https://spacy.io)'s rule-based tokenizers split the words (punctuation, and
+# exceptions such as "z.B." or "don't"); `spacy.blank("de")` builds one from the
+# language's rules, with no model to download. *Our reading:* the original's
+# downloaded pipelines (`de_core_news_sm`, `en_core_web_sm`) use the same rules; we
+# have not compared them token for token.
 
 
 # %%
@@ -2786,13 +2783,11 @@ def tokenize(text, tokenizer):
 # %% [markdown]
 # ### Vocabulary
 #
-# A vocabulary maps each token to an id. Four special tokens take the first ids, as in
-# the original notebook: `<s>` (0) starts a sentence, `</s>` (1) ends it, `<blank>` (2)
-# is padding and `<unk>` (3) stands for any word the vocabulary does not know. Then
-# come the words seen at least `min_freq = 2` times in the training split (never in
-# the validation or test splits), the most frequent first, ties alphabetically. The
-# folded `TorchtextCalls` adds the calls the original made of torchtext's vocabulary
-# (`lookup_tokens`, `get_stoi`, `get_itos`, `vocab[token]`).
+# A vocabulary maps each token to an id: first the original's four specials, `<s>`
+# (0) starting a sentence, `</s>` (1) ending it, `<blank>` (2) for padding and `<unk>`
+# (3) for any unknown word; then the words seen at least `min_freq = 2` times in the
+# training split (only there), most frequent first, ties alphabetically. The folded
+# `TorchtextCalls` adds the calls the original made of torchtext's vocabulary.
 
 # %%
 BOS, EOS, PAD, UNK = 0, 1, 2, 3
@@ -2859,12 +2854,12 @@ def build_vocabulary(train_pairs, spacy_de, spacy_en, min_freq=2):
 
 
 # %% [markdown]
-# Each sentence becomes `<s>`, its token ids, `</s>`. A sentence longer than `max_len`
-# ids is cut, keeping the `</s>` so that the model still learns where sentences stop.
-# (Part 4 adds a subword vocabulary, which splits the text itself.)
+# `encode_text` (folded) makes a sentence `<s>`, its token ids, `</s>`, cut to
+# `max_len` ids with the `</s>` kept, so that the model still learns where sentences
+# stop.
 
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def encode_text(text, vocab, tokenizer, max_len=None):
     """A sentence -> <s> + ids + </s> (at most max_len ids, </s> kept)."""
     if isinstance(vocab, Vocab):
@@ -2894,13 +2889,11 @@ def collate_batch(examples, pad_id=PAD):
 
 
 # %% [markdown]
-# The paper put sentence pairs of similar length together, about 25,000 source and
-# 25,000 target tokens a batch (§5.1). `TokenBudgetBatchSampler` does the same at our
-# scale: it sorts the pairs by length (random order among equal lengths), cuts the
-# sorted list into batches whose padded size, sentences × longest sentence, stays
-# within a token budget (`cut_by_budget`), and shuffles the order of the batches.
-# Short sentences travel in big batches, long ones in small batches. Everything random
-# comes from `seed + epoch`, so an epoch's batches can be reproduced.
+# The paper batched pairs of similar length, about 25,000 source and 25,000 target
+# tokens a batch (§5.1). `TokenBudgetBatchSampler` does so at our scale: it sorts the
+# pairs by length (random order among equal lengths), cuts the sorted list into
+# batches whose padded size, sentences × longest sentence, stays within a token budget
+# (`cut_by_budget`), and shuffles the batches, all from `seed + epoch`.
 
 
 # %%
@@ -2949,10 +2942,9 @@ class TokenBudgetBatchSampler:
 
 
 # %% [markdown]
-# `prepare_data` (folded) strings the steps so far together: it reads the splits,
-# builds the vocabularies from the training split (unless given them) and encodes
-# every pair. Its `TranslationData` holds the encoded splits and yields the batches of
-# one with `data.batches(split, sampler)`.
+# `prepare_data` (folded) reads the splits, builds the vocabularies (unless given
+# them) and encodes every pair; its `TranslationData` yields a split's batches with
+# `data.batches(split, sampler)`.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -3009,12 +3001,10 @@ def prepare_data(
 
 
 # %% [markdown]
-# How much of a batch is padding? Below, over the 29,000 training targets: the token
-# budgets of our runs (2,000), batches of 32 pairs in file order padded to their
-# longest, and batches of 32 with every sentence padded to 72 ids, as the 2018/2022
-# notebook did. The chart draws 40 training targets as rows of tokens (blue) and
-# padding (orange): one batch in file order, and token-budget batches of the same
-# sentences, a blank row between batches.
+# The share of the training targets' positions that are padding: with our token
+# budget (2,000), in batches of 32 pairs in file order, and in batches of 32 padded to
+# 72 ids, as the 2018/2022 notebook did. The chart draws 40 targets as rows of tokens
+# and padding, in one batch and in token-budget batches.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -3046,7 +3036,8 @@ def chart_batches(lengths, max_tokens):
                 row += 1
             row += 1  # a blank row between batches
         title = f"{title}: {padding_share(lengths, batches):.0%} padding"
-        axes = dict(x="position:O", y=alt.Y("row:O", axis=None))
+        rows = alt.Scale(domain=list(range(row - 1)))  # the blank rows kept
+        axes = dict(x="position:O", y=alt.Y("row:O", axis=None, scale=rows))
         colour = alt.Color("cell:N", scale=kinds)
         panels.append(chart(cells, "rect", title, 250, 300, **axes, color=colour))
     return alt.hconcat(*panels)
@@ -3074,15 +3065,13 @@ show_example(example_batches, data_dir)
 # %% [markdown]
 # ### Training
 #
-# A `TrainConfig` (folded) holds every setting of a run. Its defaults are a small
-# model: 3 layers, $d_{\text{model}} = 128$, $d_{ff} = 512$, $h = 4$, dropout 0.1,
-# batches of 2,000 tokens, a warm-up of 300 steps, label smoothing 0.1, sentences cut
-# at 72 ids. A profile changes some of them; `PROFILE` (from
-# `ANNOTATED_TRANSFORMER_PROFILE`, `quick` unless set) picks the one the notebook
-# trains. *Our choice:* `quick` is a quarter of the paper's width, so that four passes
-# over all 29,000 pairs fit in a few minutes on a 2-core CPU (times in
-# [docs/notebook.md](https://github.com/annotated-transformer/annotated-transformer/blob/main/docs/notebook.md)). `base` has the paper's sizes but not its
-# schedule, which was 100,000 steps on WMT with a 4,000-step warm-up (§5.2, §5.3).
+# A `TrainConfig` (folded) holds a run's settings; its defaults: 3 layers,
+# $d_{\text{model}} = 128$, $d_{ff} = 512$, $h = 4$, dropout 0.1, batches of 2,000
+# tokens, 300 warm-up steps, label smoothing 0.1, sentences cut at 72 ids. A profile
+# changes some; `PROFILE` (`ANNOTATED_TRANSFORMER_PROFILE`, `quick` unless set) picks
+# one. *Our choice:* `quick` is a quarter of the paper's width, so that four passes
+# over all 29,000 pairs take minutes on a 2-core CPU. `base` has the paper's sizes but
+# not its schedule, 100,000 steps on WMT with a 4,000-step warm-up (§5.2, §5.3).
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -3126,11 +3115,10 @@ PROFILES = {  # what each profile changes in TrainConfig's defaults
 
 
 # %% [markdown]
-# `train_translator` is the whole recipe: seed, build the model, Adam with the Noam
-# rate, label smoothing, then per epoch one training pass over token-budget batches
-# and one validation pass that prints the perplexity. (`python -m workshop train` runs
-# the same recipe with what long runs need besides: checkpoints, resuming, bfloat16,
-# several processes.)
+# `train_translator` is the whole recipe: seed, model, Adam with the Noam rate, label
+# smoothing, then per epoch a training pass over token-budget batches and a validation
+# pass. (`python -m workshop train` adds what long runs need: checkpoints, resuming,
+# bfloat16, several processes.)
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -3177,10 +3165,9 @@ def train_translator(config, data, *, device=None, quiet=False):
 # %% [markdown]
 # ### Translating
 #
-# `decode_ids` (folded) pads a list of id sequences into one batch and decodes it
-# with `greedy_decode` (or another search given with its options), allowing each
-# output 50 tokens more than the longest input, as the paper did (§6.1), and cutting
-# each output at its `</s>`.
+# `decode_ids` (folded) decodes a batch of id sequences with `greedy_decode` (or
+# another search), allowing 50 tokens more than the longest input, as the paper did
+# (§6.1), and cuts each output at its `</s>`.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -3198,13 +3185,12 @@ def decode_ids(model, src_ids, decode=greedy_decode, max_extra=50, **options):
 
 
 # %% [markdown]
-# `Translator` bundles a trained model with its vocabularies and tokenizer. It
-# decodes German sentences in batches of similar length and returns the English text
-# in the input order. The folded `TranslatorText` joins English tokens into text,
-# without the spaces English does not put before punctuation or inside "n't".
-# Training cut sentences to 72 ids, translating does not: the model accepts up to the
-# 5,000 positions of its positional encoding (a longer input gets an error saying
-# so), though it never saw a position past 72 in training.
+# `Translator` bundles a trained model with its vocabularies. It decodes German
+# sentences in batches of similar length and returns English text (joined by the
+# folded `TranslatorText`) in the input order. Training cut sentences to 72 ids;
+# translating does not: the model takes up to the 5,000 positions of its positional
+# encoding (a longer input gets an error saying so), though training never showed it
+# a position past 72.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -3265,9 +3251,9 @@ class Translator(TranslatorText):
 # %% [markdown]
 # ### Your run
 #
-# The cell below trains the chosen profile on `data_dir`, printing each epoch's
-# validation perplexity. With `quick`, Part 5 scores this model at about 27 BLEU on
-# test 2016, greedy: the run [docs/notebook.md](https://github.com/annotated-transformer/annotated-transformer/blob/main/docs/notebook.md) records scored 27.27
+# The cell below trains the chosen profile, printing each epoch's validation
+# perplexity. With `quick`, expect about 27 BLEU on test 2016, greedy, in Part 5: the
+# run [docs/notebook.md](https://github.com/annotated-transformer/annotated-transformer/blob/main/docs/notebook.md) records scored 27.27
 # (7.66 perplexity), one on a CPU without AVX-512 26.45. The README's 38.40 greedy and
 # 39.73 with beam search come from another recipe, the workshop's `multi30k` profile:
 # the same 3 layers at $d_{\text{model}} = 256$ on Part 4's shared subwords, a fixed
@@ -3292,8 +3278,7 @@ translator = show_example(example_train_translator, data_dir)
 
 
 # %% [markdown]
-# Five validation sentences, each beside its reference translation and the model's
-# (`check_outputs`, folded):
+# Five validation sentences, beside their references and the model's translations:
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
