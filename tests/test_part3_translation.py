@@ -273,9 +273,12 @@ def test_sampler_without_shuffle_yields_the_same_batches_every_epoch(train_data)
 
 
 def share_of_pad(batches):
-    """The share of the target positions of `batches` (Batches) holding <blank>."""
-    padded = sum(int((b.tgt == tat.PAD).sum()) for b in batches)
-    return padded / sum(b.tgt.numel() for b in batches)
+    """The share of the padded target sequences of `batches` (Batches, each holding
+    them as tgt = all but the last and tgt_y = all but the first) that is <blank>."""
+    targets = [torch.cat([b.tgt[:, :1], b.tgt_y], dim=1) for b in batches]
+    return sum(int((t == tat.PAD).sum()) for t in targets) / sum(
+        t.numel() for t in targets
+    )
 
 
 def test_padding_share_is_the_share_of_pad_in_the_collated_targets():
