@@ -2639,7 +2639,7 @@ show_example(example_inference_bugs)
 # %% [markdown]
 # ## Part 3: A real example — German to English on Multi30k
 #
-# Now a real task: German→English on [Multi30k](https://github.com/multi30k/dataset)
+# A real task: German→English on [Multi30k](https://github.com/multi30k/dataset)
 # (task 1), image captions: 29,000 sentence pairs for training, 1,014 for validation,
 # 1,000 for testing (`test_2016_flickr`). The paper trained on 4.5 million pairs of
 # WMT 2014 (§5.1); Multi30k fits a laptop CPU. Six steps: pairs, tokens, a
@@ -2762,9 +2762,9 @@ data_dir = show_example(notebook_data_dir)
 #
 # [spaCy](https://spacy.io)'s rule-based tokenizers split the words (punctuation, and
 # exceptions such as "z.B." or "don't"); `spacy.blank("de")` builds one from the
-# language's rules, with no model to download. *Our reading:* the original's
-# downloaded pipelines (`de_core_news_sm`, `en_core_web_sm`) use the same rules; we
-# have not compared them token for token.
+# language's rules, with no model to download. *Our reading:* the original
+# downloaded `de_core_news_sm` and `en_core_web_sm` only for their tokenizers, which
+# should cut text alike; we have not compared them token for token.
 
 
 # %%
@@ -3004,7 +3004,7 @@ def prepare_data(
 # The share of the training targets' positions that are padding: with our token
 # budget (2,000), in batches of 32 pairs in file order, and in batches of 32 padded to
 # 72 ids, as the 2018/2022 notebook did. The chart draws 40 targets as rows of tokens
-# and padding, in one batch and in token-budget batches.
+# and padding: in one batch, and in batches of a 200-token budget.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -3256,7 +3256,7 @@ class Translator(TranslatorText):
 # run [docs/notebook.md](https://github.com/annotated-transformer/annotated-transformer/blob/main/docs/notebook.md) records scored 27.27
 # (7.66 perplexity), one on a CPU without AVX-512 26.45. The README's 38.40 greedy and
 # 39.73 with beam search come from another recipe, the workshop's `multi30k` profile:
-# the same 3 layers at $d_{\text{model}} = 256$ on Part 4's shared subwords, a fixed
+# 3 layers as here but $d_{\text{model}} = 256$, on Part 4's shared subwords, a fixed
 # budget of training FLOPs (8 epochs), then the model and the beam search chosen on
 # validation. `make multi30k` reproduces it, in about 12 minutes on a 2-core CPU with
 # bfloat16 ([docs/results.md](https://github.com/annotated-transformer/annotated-transformer/blob/main/docs/results.md)).
