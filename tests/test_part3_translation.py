@@ -1,7 +1,7 @@
 """Tests for Part 3 of the book: German to English on Multi30k.
 
 They follow the order of the book: reading the data, tokenizers, vocabularies,
-batching with a token budget, translating, and the notebook's data folder. The
+batching with a token budget, translating, the reader's run and its data folder. The
 workshop package's side of Part 3 (downloads, training runs, checkpoints, the command
 line) is tested in tests/test_workshop_multi30k.py, tests/test_workshop_training.py,
 tests/test_workshop_checkpoints.py and tests/test_cli.py.
@@ -272,16 +272,22 @@ def test_sampler_without_shuffle_yields_the_same_batches_every_epoch(train_data)
     assert list(sampler) == epoch_0
 
 
-def padding_fraction(batches):
-    """The share of target positions in `batches` that are padding."""
-    total = sum(b.tgt_y.numel() for b in batches)
-    return 1.0 - sum(b.ntokens for b in batches) / total
+def share_of_pad(batches):
+    """The share of the padded target sequences of `batches` (Batches, each holding
+    them as tgt = all but the last and tgt_y = all but the first) that is <blank>."""
+    targets = [torch.cat([b.tgt[:, :1], b.tgt_y], dim=1) for b in batches]
+    return sum(int((t == tat.PAD).sum()) for t in targets) / sum(
+        t.numel() for t in targets
+    )
 
 
-def test_padding_fraction_counts_the_padded_target_positions():
-    examples = [([0, 4, 1], [0, 4, 5, 6, 1]), ([0, 4, 1], [0, 4, 1])]
-    batch = tat.collate_batch(examples)  # tgt_y: 4 + 2 real of 2 x 4 positions
-    assert padding_fraction([batch]) == 2 / 8  # 1 - 6 / 8: exact in binary
+def test_padding_share_is_the_share_of_pad_in_the_collated_targets():
+    examples = [([0, 4, 1], [0, 4, 5, 1]), ([0, 4, 1], [0, 1])]
+    batch = tat.collate_batch(examples)  # targets: 4 + 2 ids in 2 x 4 positions
+    lengths = [len(tgt) for _, tgt in examples]
+    assert tat.padding_share(lengths, [[0, 1]]) == share_of_pad([batch]) == 2 / 8
+    assert tat.padding_share(lengths, [[0], [1]]) == 0.0  # each batch alone
+    assert tat.padding_share(lengths, [[0, 1]], width=8) == 1 - 6 / 16
 
 
 def original_batches(pairs, batch_size=32, width=72):
@@ -296,21 +302,58 @@ def original_batches(pairs, batch_size=32, width=72):
 
 
 @pytest.mark.slow
-def test_token_budget_batches_waste_far_less_on_padding_than_the_original(
-    train_data,
+def test_example_batches_prints_the_padding_the_training_batches_hold(
+    train_data, multi30k_dir, capsys
 ):
     pairs = train_data.splits["train"]
     assert max(len(ids) for pair in pairs for ids in pair) <= 72
-    sampler = tat.TokenBudgetBatchSampler(
-        train_data.lengths("train"), tat.TrainConfig().max_tokens
-    )
-    ours = padding_fraction(list(train_data.batches("train", sampler)))
-    original = padding_fraction(list(original_batches(pairs)))
-    # Measured on Multi30k's training split: 0.80 and 0.039; the bounds keep the
-    # claim (most of the original's positions were padding, few of ours) with room.
-    assert original > 0.7
-    assert ours < 0.15
-    assert ours < original / 3
+    chart = tat.example_batches(multi30k_dir)
+    printed = capsys.readouterr().out.splitlines()
+    shares = [float(line.split(": ")[1].split("%")[0]) / 100 for line in printed]
+    sampler = tat.TokenBudgetBatchSampler(train_data.lengths("train"), 2000)
+    ours = share_of_pad(train_data.batches("train", sampler))
+    original = share_of_pad(original_batches(pairs))
+    assert len(printed) == 3 and printed[0].startswith("token budget 2000:")
+    assert shares[0] == pytest.approx(ours, abs=0.0005)  # printed to 0.1 %
+    assert shares[2] == pytest.approx(original, abs=0.0005)
+    assert shares[0] < shares[1] < shares[2]
+    # Measured on Multi30k's training split: 3.6 %, 41.3 % and 79.0 %.
+    assert ours < 0.1 < 0.7 < original
+    assert len(chart.to_dict()["hconcat"]) == 2  # file order, token budget
+
+
+def panels(chart):
+    """Each panel of an hconcat chart: (title, its rows of data)."""
+    spec = chart.to_dict()
+    return [(p["title"], spec["datasets"][p["data"]["name"]]) for p in spec["hconcat"]]
+
+
+def test_chart_batches_draws_each_sentence_as_tokens_then_its_batchs_padding():
+    lengths = [5, 2, 9, 3, 3, 7, 2, 8]
+    (one_title, one), (budget_title, budget) = panels(tat.chart_batches(lengths, 16))
+    expected = tat.TokenBudgetBatchSampler(lengths, 16, shuffle=False).all_batches()
+    for title, cells, batches in (
+        (one_title, one, [list(range(8))]),
+        (budget_title, budget, expected),
+    ):
+        assert [c["sentence"] for c in cells if c["position"] == 0] == sum(batches, [])
+        for number, batch in enumerate(batches):
+            width = max(lengths[i] for i in batch)
+            for i in batch:
+                row = [c["cell"] for c in cells if c["sentence"] == i]
+                assert {c["batch"] for c in cells if c["sentence"] == i} == {number}
+                assert row == ["token"] * lengths[i] + ["padding"] * (
+                    width - lengths[i]
+                )
+            assert len(batch) * width <= 16 or len(batches) == 1
+        share = tat.padding_share(lengths, batches)
+        assert title.endswith(f": {share:.0%} padding")
+    assert len(expected) > 1 and one_title.startswith("one batch")
+    rows = [c["row"] for c in budget if c["position"] == 0]
+    first = [sum(map(len, expected[:k])) + k for k in range(len(expected))]
+    assert rows == [  # a blank row after each batch
+        first[k] + j for k, batch in enumerate(expected) for j in range(len(batch))
+    ]
 
 
 def test_prepare_data_encodes_each_sentence_as_its_tokens_between_bos_and_eos(
@@ -411,47 +454,50 @@ def test_check_outputs_pairs_sources_references_and_translations(
     assert "Example 1" in printed and pairs[1][1] in printed
 
 
-@pytest.fixture
-def fresh_notebook_run():
-    """tat.notebook_run with its cache emptied before and after the test."""
-    tat.notebook_run.cache_clear()
-    yield tat.notebook_run
-    tat.notebook_run.cache_clear()
+def test_example_multi30k_prints_validation_sentences_beside_the_models(
+    translator, multi30k_dir, capsys
+):
+    rows = tat.example_multi30k(translator, multi30k_dir)
+    assert [(de, en) for de, en, _ in rows] == tat.read_split(multi30k_dir, "val")[:5]
+    assert capsys.readouterr().out.count("  model:     ") == 5
 
 
 @pytest.mark.slow
-def test_notebook_run_trains_the_profile_in_memory_once_with_the_books_model(
-    fresh_notebook_run, multi30k_dir, tmp_path, monkeypatch, capsys
+def test_example_train_translator_trains_the_profile_in_memory_with_the_books_model(
+    multi30k_dir, tmp_path, monkeypatch, capsys
 ):
     monkeypatch.setattr(tat, "PROFILE", "smoke")
-    monkeypatch.setenv(tat.DATA_ENV, str(multi30k_dir))
     monkeypatch.chdir(tmp_path)
-    found = fresh_notebook_run()
-    translator, data_dir, history = found.translator, found.data_dir, found.history
-    assert tuple(found) == (translator, data_dir, history)  # unpacks as before
-    assert data_dir == multi30k_dir
-    assert [set(r) for r in history] == [{"epoch", "train_loss_smoothed", "val_nll"}]
-    assert [r["epoch"] for r in history] == [1]  # the smoke profile's one epoch
-    assert "validation perplexity" in capsys.readouterr().out
+    translator = tat.example_train_translator(multi30k_dir)
+    printed = capsys.readouterr().out
+    assert printed.count("validation perplexity") == 1  # the smoke profile's one epoch
+    assert isinstance(translator, tat.Translator)
     assert translator.config == tat.TrainConfig(**tat.PROFILES["smoke"])
+    smoke_pairs = tat.read_split(multi30k_dir, "train")[:1000]  # the profile's
+    vocab_src, _ = tat.build_vocabulary(smoke_pairs, *tat.load_tokenizers())
+    assert translator.vocab_src.get_itos() == vocab_src.get_itos()
     dropouts = [m for m in translator.model.modules() if isinstance(m, nn.Dropout)]
     assert dropouts and all(type(m) is nn.Dropout for m in dropouts)
     assert len(translator.translate(["Ein Hund läuft."])) == 1
-    assert fresh_notebook_run() is found  # later examples reuse the model
     assert list(tmp_path.iterdir()) == []  # no checkpoint, no run folder
 
 
 @pytest.mark.parametrize("folder", [None, "empty"])
-def test_notebook_run_without_data_says_what_to_set_and_trains_nothing(
-    folder, fresh_notebook_run, tmp_path, monkeypatch, capsys
+def test_the_run_without_data_says_what_to_set_in_one_line_and_trains_nothing(
+    folder, tmp_path, monkeypatch, capsys
 ):
+    """The notebook's Part 3 cells, in order, without Multi30k: they skip."""
     point_data_at(folder, tmp_path, monkeypatch)
 
     def no_training(*args, **kwargs):
-        raise AssertionError("notebook_run trained without data")
+        raise AssertionError("trained without data")
 
     monkeypatch.setattr(tat, "train_translator", no_training)
-    assert fresh_notebook_run() is None
+    data_dir = tat.notebook_data_dir()
+    translator = tat.example_train_translator(data_dir)
+    assert data_dir is translator is None
+    assert tat.example_batches(data_dir) is None
+    assert tat.example_multi30k(translator, data_dir) is None
     said = capsys.readouterr().out
     assert tat.DATA_ENV in said and said.count("\n") == 1  # one line
 

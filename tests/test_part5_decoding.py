@@ -429,11 +429,12 @@ def test_alpha_ranks_the_same_finished_hypotheses_and_never_prefers_a_shorter_on
 
 
 def test_the_beam_chart_has_a_cell_per_hypothesis_with_its_log_p_on_hover(
-    smoke_translator, val_ids, multi30k_dir, monkeypatch, capsys
+    smoke_translator, val_ids, multi30k_dir, capsys
 ):
-    run = tat.NotebookRun(smoke_translator, multi30k_dir, [])
-    monkeypatch.setattr(tat, "notebook_run", lambda: run)
-    spec = tat.example_beam_steps(k=4, alphas=(0.6, 2.0)).to_dict()  # sentence 0
+    found = tat.example_beam_steps(
+        smoke_translator, multi30k_dir, k=4, alphas=(0.6, 2.0)
+    )
+    spec = found.to_dict()  # sentence 0
     model, words = smoke_translator.model, smoke_translator.vocab_tgt.lookup_tokens
     searches = {a: tat.beam_steps(model, val_ids[0], 4, a) for a in (0.6, 2.0)}
     (values,) = spec["datasets"].values()
