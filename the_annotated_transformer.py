@@ -65,7 +65,6 @@ import os
 import sys
 import time
 import warnings
-from collections import namedtuple
 from dataclasses import dataclass
 from pathlib import Path
 
