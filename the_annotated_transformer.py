@@ -4087,17 +4087,17 @@ def bleu(translator, pairs, **options):
 # `make multi30k` reproduces it (12 minutes in all on that CPU, with its bfloat16
 # instructions; about an hour on one without). It trains 3 layers of
 # $d_{\text{model}} = 256$ on Part 4's joint subwords, one matrix for both embeddings
-# and the generator, for a fixed budget of FLOPs (8 epochs); it picks the checkpoint
-# average, the beam size and $\alpha$ on the validation split, then translates the
-# test set once.
+# and the generator, for a fixed budget of FLOPs; it picks the checkpoint average, the
+# beam size and $\alpha$ on the validation split, then translates the test set once.
 #
 # *Why it scores higher* (docs/results.md has every attempt). Subwords leave no word
-# unknown; tying cuts 10.1 M parameters to 6.0 M. The tied matrix starts from $\mathcal{N}(0, 1/d_{\text{model}})$: from Glorot's start, four
-# times smaller, 8 epochs reach 22.5 validation BLEU, not 38.0. The rate falls to 0
-# over the last 40 % of the steps (+0.9). Beam search does best with $\alpha$ near 2
-# (the paper's 0.6 favours short output, which the brevity penalty punishes). *Our
-# caveat:* the choices were made on validation, but two earlier recipes were also
-# scored on the test set before this one was chosen.
+# unknown; tying cuts 10.1 M parameters to 6.0 M. The tied matrix starts from
+# $\mathcal{N}(0, 1/d_{\text{model}})$: from Glorot's start, four times smaller, 8
+# epochs reach 22.5 validation BLEU, not 38.0. The rate falls to 0 over the last 40 %
+# of the steps (+0.9). Beam search does best with $\alpha$ near 2: the paper's 0.6
+# favours short output, which the brevity penalty punishes. *Our caveat:* the choices
+# were made on validation, but two earlier recipes were also scored on the test set
+# before this one was chosen.
 
 
 # %%
@@ -4130,8 +4130,9 @@ show_example(example_results, translator, data_dir)
 # Heads often specialise: studies found heads that attend to the previous or the next
 # token, heads that spread over the sentence, and heads that park their weight on
 # punctuation or a separator ([Clark et al., 2019](https://arxiv.org/abs/1906.04341);
-# [Voita et al., 2019](https://arxiv.org/abs/1905.09418)): tendencies, not rules. In eval mode each `MultiHeadedAttention` keeps its last
-# weights in `.attn`; `attention_maps` collects them.
+# [Voita et al., 2019](https://arxiv.org/abs/1905.09418)): tendencies, not rules. In
+# eval mode each `MultiHeadedAttention` keeps its last weights in `.attn`;
+# `attention_maps` collects them.
 
 
 # %%
@@ -4267,14 +4268,6 @@ show_example(example_attention_maps, translator)
 
 
 # %% [markdown]
-# The `multi30k` model's decoder–source attention, last layer, same sentence
-# (`python -m workshop attention`): in heads 0 and 2 the row of "Two" peaks on
-# "Hunde", and "dogs" came next.
-#
-# ![Decoder–source attention of the multi30k model](https://raw.githubusercontent.com/annotated-transformer/annotated-transformer/main/images/decoder_source_attention.png)
-
-
-# %% [markdown]
 # ## Conclusion
 #
 # We built the Transformer from its parts, trained it on a copy task and on Multi30k,
@@ -4302,7 +4295,7 @@ show_example(example_attention_maps, translator)
 # | [rate chart](#Part-2:-Model-training) | stepped an optimizer 20,000 times a setting | calls `rate` |
 # | [label smoothing](#Part-2:-Model-training) | log of an exact zero: NaN | `safe_log` clamps |
 # | [copy task](#A-first-example:-learning-to-copy) | decoded from the padding id | start 1, padding 0 |
-# | [Multi30k](#Part-3:-A-real-example-—-German-to-English-on-Multi30k) | torchtext, from a host now gone | the project's files, SHA-256 checked |
+# | [Multi30k](#Part-3:-A-real-example-—-German-to-English-on-Multi30k) | torchtext, from a host now gone; spaCy models | the project's files, SHA-256 checked; `spacy.blank` |
 # | [vocabulary](#Vocabulary) | counted validation and test words | the training split only |
 # | [batches](#Batches-with-minimal-padding) | 32 sentences padded to 72 | token budgets, similar lengths |
 # | [`average`](#Checkpoint-averaging) | could not run (`m.params()`) | modules or state dicts |
