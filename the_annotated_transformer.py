@@ -4299,7 +4299,7 @@ show_example(example_attention_maps, translator)
 # | [vocabulary](#Vocabulary) | counted validation and test words | the training split only |
 # | [batches](#Batches-with-minimal-padding) | 32 sentences padded to 72 | token budgets, similar lengths |
 # | [`average`](#Checkpoint-averaging) | could not run (`m.params()`) | modules or state dicts |
-# | [Part 4](#Part-4:-Additional-components) | beam search left to OpenNMT, subwords to subword-nmt; a shared-embedding snippet that could not run | all three run; subwords learned by Hugging Face `tokenizers` |
+# | [Part 4](#Part-4:-Additional-components) | beam search left to OpenNMT, subwords to subword-nmt; a broken shared-embedding snippet | all three run; subwords learned by Hugging Face `tokenizers` |
 
 
 # %% [markdown]
