@@ -246,6 +246,48 @@ def test_attention_maps_refuse_a_layer_or_head_that_does_not_exist(translator):
         figures.attention_maps(translator, SENTENCE, heads=[2])
 
 
+def test_the_all_heads_grid_has_a_panel_per_layer_and_head_holding_its_weights(
+    translator,
+):
+    found = tat.attention_weights(translator, SENTENCE)
+    table = tat.attention_table(found)
+    for kind, (layers, queries, keys) in found.items():
+        spec = tat.chart_attention_heads(table, kind).to_dict()
+        facet = spec["facet"]
+        assert (facet["row"]["field"], facet["column"]["field"]) == ("layer", "head")
+        rows, cols, values = chart_axes(spec)
+        assert rows == labels(queries) and cols == labels(keys)
+        assert {v["kind"] for v in values} == {kind}
+        shape = len(layers), *layers[0].shape  # (layers, heads, queries, keys)
+        panels = {(v["layer"], v["head"]) for v in values}
+        assert panels == {(i, h) for i in range(shape[0]) for h in range(shape[1])}
+        assert len(values) == math.prod(shape)  # every weight, once
+        weights = torch.stack([w.float() for w in layers])
+        for v in values:  # each cell holds its layer's, head's, query's, key's weight
+            i, j = (int(v[axis].split(":")[0]) for axis in ("query", "key"))
+            assert v["weight"] == weights[v["layer"], v["head"], i, j].item()
+        sums = {}
+        for v in values:
+            key = v["layer"], v["head"], v["query"]
+            sums[key] = sums.get(key, 0.0) + v["weight"]
+        for total in sums.values():  # each query's weights sum to 1
+            assert total == pytest.approx(1.0, abs=SOFTMAX_SUM_ATOL * len(cols))
+
+
+def test_the_all_heads_example_draws_a_grid_for_each_kind_and_nothing_without_a_model(
+    translator, capsys
+):
+    assert tat.example_attention_heads(None) is None
+    assert capsys.readouterr().out == ""
+    spec = tat.example_attention_heads(translator, SENTENCE).to_dict()
+    titles = [grid["title"] for grid in spec["vconcat"]]
+    assert titles == [
+        "Encoder self attention",
+        "Decoder self attention",
+        "Decoder source attention",
+    ]
+
+
 def largest_score_size(model, run):
     """The largest sum_d |q_d k_d| / sqrt(d_k) of a score of any of `model`'s
     attention layers while run() runs: what its scores' rounding scales with."""
@@ -397,3 +439,39 @@ def test_the_papers_costs_follow_from_its_hardware_and_the_books_ratios_from_the
     assert round(big[2] / rows["ConvS2S"][2], 1) == 2.4  # to the book's digits
     assert "2.4 times as much as ConvS2S" in book
     assert "at a fraction of their training cost" not in book
+
+
+# ---------------------------------------------------------------------------
+# The reader's own score, beside what the book says to expect
+
+
+def test_the_books_expected_scores_are_docs_results():
+    """Part 5 tells the reader what to expect: the quick profile's greedy score as
+    docs/results.md records the notebook's run of it, and the multi30k recipe's test
+    scores from its table; the example prints the same numbers."""
+    book = BOOK.read_text(encoding="utf-8").replace("\n# ", " ")  # prose unwrapped
+    results = (BOOK.parent / "docs" / "results.md").read_text(encoding="utf-8")
+    quick = re.search(r"the notebook's own run of it scores ([\d.]+) greedy", results)
+    quick = float(quick.group(1))
+    recipe = re.search(r"\| `multi30k` \|.*\| ([\d.]+) \| ([\d.]+) \(beam", results)
+    greedy, beam = recipe.groups()
+    stated = f"expect **about {round(quick)}** (docs/results.md: {quick:.2f} for"
+    assert stated in book
+    assert f"**{greedy}** greedy and **{beam}** with beam search" in book
+    printed = f"about {round(quick)} with quick; make multi30k: {greedy} greedy, {beam}"
+    assert printed in book
+
+
+def test_the_results_example_prints_the_models_score_beside_the_expectation(
+    translator, multi30k_dir, capsys, monkeypatch
+):
+    monkeypatch.setattr(tat, "PROFILE", "smoke")  # the first 100 test pairs
+    assert tat.example_results(None, None) is None
+    assert capsys.readouterr().out == ""
+    tat.example_results(translator, multi30k_dir)
+    said = capsys.readouterr().out.splitlines()
+    pairs = tat.read_split(multi30k_dir, "test_2016_flickr")[:100]
+    score, signature, _ = tat.bleu(translator, pairs, decode=tat.cached_greedy_decode)
+    assert said[0] == f"Your smoke model, test 2016, greedy: {score.score:.2f} BLEU"
+    assert said[1].startswith("Expected: about 27 with quick")
+    assert said[2] == f"  signature: {signature}"
