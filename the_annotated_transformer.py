@@ -38,7 +38,7 @@
 # 3. [Part 3: A real example — German to English on Multi30k](#Part-3:-A-real-example-—-German-to-English-on-Multi30k)
 # 4. [Part 4: Additional components](#Part-4:-Additional-components): subwords, the
 #    key/value cache, beam search, checkpoint averaging
-# 5. [Part 5: Results](#Part-5:-Results): BLEU, the `multi30k` run, attention maps
+# 5. [Part 5: Results](#Part-5:-Results): BLEU, your model beside the `multi30k` recipe, attention maps
 # 6. [Conclusion](#Conclusion), [what changed from the 2018/2022
 #    notebook](#What-changed-from-the-2018/2022-notebook) and the
 #    [Appendix](#Appendix)

@@ -185,10 +185,11 @@ def test_every_figure_of_the_book_is_an_address_of_a_committed_file_on_main(
 
 def test_the_books_results_table_is_the_committed_runs():
     """tools.results_table renders results/multi30k.json with the workshop's own
-    Markdown; the book holds exactly those lines (rerun it after `make multi30k`)."""
+    Markdown; the book holds its table's lines (header, rule and the run's row)
+    exactly (rerun it after `make multi30k`)."""
     book = (REPO_ROOT / "the_annotated_transformer.py").read_text(encoding="utf-8")
     lines = [f"# {line}".rstrip() for line in results_table.results_lines()]
-    assert "\n".join(lines) in book
+    assert "\n".join(lines[:3]) in book
     record = json.loads((REPO_ROOT / "results" / "multi30k.json").read_text())
     assert f"| {record['test_greedy']['bleu']:.2f} |" in lines[2]
 

@@ -1,11 +1,12 @@
-"""The committed `multi30k` run's Results, as the book shows them: its row of the
-README's table and its five example translations, generated from
-results/multi30k.json with the workshop's own Markdown (workshop/report/reports.py). The
-book holds them as text, so that a notebook opened alone shows them too.
+"""The committed `multi30k` run's Results: its row of the README's table and its
+five example translations, generated from results/multi30k.json with the workshop's
+own Markdown (workshop/report/reports.py). The book holds the table's first three
+lines as text, so that a notebook opened alone shows them too; the examples stay in
+results/multi30k.md and docs/results.md.
 
     python -m tools.results_table    prints the lines, as the book's markdown cell
 
-tests/test_colab.py checks that the book holds exactly these lines.
+tests/test_colab.py checks that the book holds the table's lines exactly.
 """
 
 import json
