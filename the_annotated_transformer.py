@@ -182,32 +182,25 @@ def check_positive_int(**sizes):
 # %% [markdown]
 # ## Part 1: Model architecture
 #
-# *§3.* The Transformer is an encoder-decoder, like most translation models of its
-# time ([Bahdanau et al., 2014](https://arxiv.org/abs/1409.0473)). The encoder turns
-# the source tokens $(x_1, \dots, x_n)$ into vectors $\mathbf{z} = (z_1, \dots, z_n)$,
-# the *memory*. The decoder writes the output $(y_1, \dots, y_m)$ one token at a time,
-# each step reading the memory and the tokens written so far: the model is
-# *autoregressive* ([Graves, 2013](https://arxiv.org/abs/1308.0850)).
+# *§3.* The Transformer is an encoder-decoder
+# ([Bahdanau et al., 2014](https://arxiv.org/abs/1409.0473)). The encoder turns the
+# source tokens into vectors, the *memory*; the decoder writes the output one token
+# at a time, each step reading the memory and the tokens written so far. Below, the
+# paper's Figure 1, redrawn by our `tools/diagrams.py`: "Add & Norm" after each
+# sub-layer (*post-norm*).
 #
-# The paper's Figure 1, redrawn by our `tools/diagrams.py`: each sub-layer is
-# followed by "Add & Norm" (*post-norm*).
+# ![The paper's Figure 1, redrawn](https://raw.githubusercontent.com/annotated-transformer/annotated-transformer/main/images/architecture_post_norm.png)
 #
-# ![The paper's layout (its Figure 1), redrawn: post-norm layers, each sub-layer
-# followed by Add & Norm](https://raw.githubusercontent.com/annotated-transformer/annotated-transformer/main/images/architecture_post_norm.png)
+# This book's default, with its class names: the norm before each sub-layer
+# (*pre-norm*), and one more at the end of each stack.
 #
-# The model as this book builds it by default: the norm moves to each sub-layer's
-# input (*pre-norm*, below) and each stack ends with one more norm. The boxes carry
-# the names of the classes below.
+# ![The book's model, pre-norm](https://raw.githubusercontent.com/annotated-transformer/annotated-transformer/main/images/architecture.png)
 #
-# ![The model as this book builds it: an encoder stack and a decoder stack of pre-norm
-# layers, joined by the memory, and a generator on top](https://raw.githubusercontent.com/annotated-transformer/annotated-transformer/main/images/architecture.png)
-#
-# `EncoderDecoder` joins five parts, each defined below: the two embeddings, the
-# encoder, the decoder and the generator. Its masks say which positions a query may
-# read: 1 (or `True`) where it *may attend*, 0 where it may not ([Masks](#Masks)
-# builds them). PyTorch's `nn.Transformer` means the opposite (`True` hides); such a
-# mask would run here silently and give wrong output, so the folded cell refuses it,
-# and a mask of the wrong shape, in one line.
+# `EncoderDecoder` joins the two embeddings, the encoder, the decoder and the
+# generator. Its masks hold 1 (or `True`) where a query *may attend*, 0 where not
+# ([Masks](#Masks) builds them). PyTorch's `nn.Transformer` means the opposite; such
+# a mask would run silently, with wrong output, so the folded cells refuse it, and a
+# mask of the wrong shape, in one line.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -272,14 +265,11 @@ def check_target(tgt, tgt_mask, src=None):
 
 # %%
 class EncoderDecoder(nn.Module):
-    """An encoder, a decoder, their two embeddings and the output generator.
-
-    forward(src, tgt, src_mask, tgt_mask) -> (batch, tgt_len, d_model), for integer
-    token ids src (batch, src_len) and tgt (batch, tgt_len); src_mask is (batch or
-    1, 1, src_len), tgt_mask (batch or 1, tgt_len or 1, tgt_len), of any dtype, 1 or
-    True where a query may attend (Batch builds both). The generator turns the
-    output into log-probabilities over the target vocabulary.
-    """
+    """An encoder, a decoder, their two embeddings and the output generator:
+    forward(src, tgt, src_mask, tgt_mask) -> (batch, tgt_len, d_model) for ids src
+    (batch, src_len) and tgt (batch, tgt_len); src_mask (batch or 1, 1, src_len) and
+    tgt_mask (batch or 1, tgt_len or 1, tgt_len), any dtype, 1/True where a query
+    may attend (Batch builds both)."""
 
     def __init__(self, encoder, decoder, src_embed, tgt_embed, generator):
         super().__init__()
@@ -341,22 +331,19 @@ def clones(module, N):
 # #### Layer normalisation
 #
 # Each sub-layer's output is normalised
-# ([Ba et al., 2016](https://arxiv.org/abs/1607.06450)). For the vector
+# ([Ba et al., 2016](https://arxiv.org/abs/1607.06450)); for the vector
 # $x \in \mathbb{R}^{d}$ of one position,
 #
 # $$\mathrm{LayerNorm}(x) = a \odot \frac{x - \mu}{\sqrt{\sigma^2 + \epsilon}} + b,
 # \qquad \mu = \frac{1}{d}\sum_i x_i, \quad \sigma^2 = \frac{1}{d}\sum_i (x_i - \mu)^2,$$
 #
-# with a learned gain $a$ and bias $b$, named `a_2` and `b_2` as in the 2018/2022
-# notebook so that its saved weights load here. `forward` computes the formula line
-# by line when `fused=False`; by default it calls PyTorch's `F.layer_norm`, one
-# faster kernel for the same formula (the tests check that the two agree).
+# with a learned gain $a$ and bias $b$ (`a_2`, `b_2`, named as in the 2018/2022
+# notebook so its weights load). `fused=False` computes the formula line by line; the
+# default calls `F.layer_norm`, PyTorch's faster kernel for it (tested equal).
 #
-# > **Note (why not BatchNorm?)** Batch normalisation averages each feature over the
-# > examples of a batch, so padding would leak into its statistics, and a batch at
-# > decoding time may hold one sentence. Layer normalisation averages over the
-# > features of one position: each token is normalised on its own. The cell after
-# > the class prints both.
+# > **Note (why not BatchNorm?)** BatchNorm averages each feature over a batch, where
+# > padding would leak in, and a batch may hold one sentence when decoding. LayerNorm
+# > normalises each token on its own. The cell below prints both.
 
 
 # %%
@@ -396,24 +383,20 @@ show_example(example_layer_vs_batch_norm)
 # %% [markdown]
 # #### Residual connections, pre-norm and post-norm
 #
-# Around each sub-layer sits a residual connection
-# ([He et al., 2016](https://arxiv.org/abs/1512.03385)), and the sub-layer's output
-# passes through dropout before it is added (*§5.4*). Dropout
-# ([Srivastava et al., 2014](https://jmlr.org/papers/v15/srivastava14a.html)) zeroes
-# each element with probability $p$ in training and scales the rest by $1/(1-p)$;
-# in eval mode it does nothing. The paper normalises *after* the addition
-# (post-norm); the 2018 notebook normalised the sub-layer's *input* (pre-norm):
+# Each sub-layer sits inside a residual connection
+# ([He et al., 2016](https://arxiv.org/abs/1512.03385)), with dropout on its output
+# (*§5.4*; dropout zeroes each element with probability $p$ in training and scales
+# the rest by $1/(1-p)$). The paper normalises *after* the addition (post-norm), the
+# 2018 notebook the sub-layer's *input* (pre-norm):
 #
-# $$\text{post-norm:}\ x \mapsto \mathrm{LayerNorm}\big(x + \mathrm{Dropout}(\mathrm{Sublayer}(x))\big), \qquad
-# \text{pre-norm:}\ x \mapsto x + \mathrm{Dropout}\big(\mathrm{Sublayer}(\mathrm{LayerNorm}(x))\big).$$
+# $$\text{post:}\ \mathrm{LayerNorm}\big(x + \mathrm{Dropout}(\mathrm{Sublayer}(x))\big), \qquad
+# \text{pre:}\ x + \mathrm{Dropout}\big(\mathrm{Sublayer}(\mathrm{LayerNorm}(x))\big).$$
 #
-# > **Note (a difference from the paper).** Pre-norm is our default, as in the 2018
-# > notebook. In pre-norm the residual path carries the input through every layer
-# > untouched, so gradients reach the early layers without crossing a norm at each
-# > step, and training depends less on the learning-rate warm-up
-# > ([Xiong et al., 2020](https://arxiv.org/abs/2002.04745)). It needs one more norm
-# > at the end of each stack. `make_model(..., norm_first=False)` builds the paper's
-# > post-norm; Part 2 trains both.
+# > **Note (a difference from the paper).** Pre-norm is our default: its residual path
+# > carries the input through every layer untouched, so gradients reach the early
+# > layers without crossing a norm at each step, and training depends less on the
+# > warm-up ([Xiong et al., 2020](https://arxiv.org/abs/2002.04745)).
+# > `make_model(..., norm_first=False)` builds the paper's layout; Part 2 trains both.
 
 
 # %%
@@ -436,9 +419,9 @@ class SublayerConnection(nn.Module):
 # %% [markdown]
 # #### Encoder
 #
-# An encoder layer has two sub-layers, self-attention and a position-wise
-# feed-forward network (both defined below). Every sub-layer and embedding produces
-# vectors of size $d_{\text{model}} = 512$, so the residual additions line up.
+# An encoder layer has two sub-layers, self-attention and a feed-forward network
+# (both below), each producing vectors of size $d_{\text{model}} = 512$ to match the
+# residual.
 
 
 # %%
@@ -529,17 +512,15 @@ class Decoder(nn.Module):
 # %% [markdown]
 # #### Masks
 #
-# Two boolean masks decide which keys each query may read (`True`: *may attend*).
+# Two boolean masks decide which keys each query may read (`True`: *may attend*):
 #
-# * The **subsequent (look-ahead) mask** (*§3.2.3*) is for decoder self-attention.
-#   In training the decoder reads the whole target at once, shifted right by one, and
-#   position $i$ must not see the words it is to predict: query $i$ may attend to
-#   keys $j \le i$. Shape `(1, seq, seq)`, the same for every sentence.
-# * The **padding mask**, which the paper leaves unsaid, hides the `<blank>` tokens
-#   that fill short sentences up to the longest in a batch. Shape `(batch, 1, seq)`,
-#   the same for every query.
+# * the **subsequent (look-ahead) mask** (*§3.2.3*), for decoder self-attention: the
+#   decoder reads the whole target at once in training, so query $i$ may attend only
+#   to keys $j \le i$, never to the words it is to predict. Shape `(1, seq, seq)`.
+# * the **padding mask**, which the paper leaves unsaid: it hides the `<blank>` tokens
+#   that fill short sentences up to the longest in a batch. Shape `(batch, 1, seq)`.
 #
-# Decoder self-attention uses both at once (`padding & subsequent`).
+# Decoder self-attention uses both (`padding & subsequent`).
 
 
 # %%
@@ -557,9 +538,8 @@ def padding_mask(tokens, pad):
 
 
 # %% [markdown]
-# The book's charts are drawn by the folded helpers below, as heat maps or lines.
-# Here query positions are rows, key positions columns, and the shaded cells are
-# the keys each query may read.
+# The folded helpers below draw the book's charts. Here the shaded cells are the keys
+# (columns) each query (rows) may read.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -613,45 +593,33 @@ show_example(chart_subsequent_mask)
 # %% [markdown]
 # ### Attention (§3.2)
 #
-# An attention function maps a *query* and a set of *key*–*value* pairs to a weighted
-# average of the values, each weighted by how well its key matches the query. The
-# paper's *scaled dot-product attention* (*§3.2.1, Eq. (1)*), with queries, keys
-# (width $d_k$) and values stacked as the rows of $Q$, $K$ and $V$:
+# Attention maps a *query* and *key*–*value* pairs to an average of the values, each
+# weighted by how well its key matches the query. The paper's *scaled dot-product
+# attention* (*§3.2.1, Eq. (1)*), with queries, keys (width $d_k$) and values as rows
+# of $Q$, $K$, $V$:
 #
 # $$\mathrm{Attention}(Q, K, V) = \mathrm{softmax}\!\left(\frac{Q K^\top}{\sqrt{d_k}}\right) V.$$
 #
-# ![Scaled dot-product attention, one operation per box (the paper's Figure 2,
-# left)](https://raw.githubusercontent.com/annotated-transformer/annotated-transformer/main/images/scaled_dot_product_attention.png)
+# ![Scaled dot-product attention (the paper's Figure 2, left)](https://raw.githubusercontent.com/annotated-transformer/annotated-transformer/main/images/scaled_dot_product_attention.png)
 #
-# Row $i$ of $QK^\top/\sqrt{d_k}$ holds query $i$'s scores against every key; the
-# softmax turns each row into positive weights that sum to one.
+# **Why a dot product?** It scores all pairs in one matrix product, without
+# parameters; additive attention ([Bahdanau et al.,
+# 2014](https://arxiv.org/abs/1409.0473)) runs a small network per pair. **Why
+# divide by $\sqrt{d_k}$?** For $q$ and $k$ of independent entries with mean 0 and
+# variance 1, $q \cdot k$ has variance $d_k$ (footnote 4); large scores give one key
+# nearly all the weight, where the softmax's gradient is small. The cell after the
+# function prints both. **Why a softmax?** *Our reading:* the weights sum to one, so
+# keys compete and the output stays on the values' scale.
 #
-# **Why a dot product?** Additive attention
-# ([Bahdanau et al., 2014](https://arxiv.org/abs/1409.0473)) scores a key with a small
-# network, $v^\top \tanh(W_1 q + W_2 k)$. The dot product scores all queries against
-# all keys in one matrix product, with no parameters of its own.
-#
-# **Why divide by $\sqrt{d_k}$?** If the entries of a query and a key are independent,
-# with mean 0 and variance 1, their dot product has variance $d_k$ (the paper's
-# footnote 4). Large scores push the softmax to put nearly all the weight on one key,
-# where its gradient is small; dividing by $\sqrt{d_k}$ brings the variance back to 1.
-# The cell after the function prints both effects.
-#
-# **Why a softmax and not a sigmoid per key?** *Our reading:* the weights sum to one,
-# so the keys compete and the output stays on the values' scale however many keys
-# there are; independent sigmoids could all switch on at once.
-#
-# A mask entry of 0 (or `False`) hides a key: its score becomes the most negative
-# number of the scores' dtype, and its weight after the softmax exactly 0.
+# A mask entry of 0 hides a key: its score becomes the dtype's most negative number,
+# its weight exactly 0.
 
 
 # %%
 def attention(query, key, value, mask=None, dropout=None):
-    """Scaled dot-product attention, Eq. (1): query (..., q_len, d_k), key
-    (..., k_len, d_k), value (..., k_len, d_v) -> (output (..., q_len, d_v), weights
-    (..., q_len, k_len)). `mask` broadcasts to the weights' shape, any dtype, 1/True
-    where a query may attend, 0 hides (a row hiding every key gives zero output);
-    `dropout`, a module, acts on the weights."""
+    """Eq. (1): query (..., q_len, d_k), key (..., k_len, d_k), value (..., k_len,
+    d_v) -> (output (..., q_len, d_v), weights (..., q_len, k_len)); `mask`, any dtype,
+    1/True where a query may attend; `dropout`, a module, acts on the weights."""
     d_k = query.size(-1)
     scores = torch.matmul(query, key.transpose(-2, -1)) / math.sqrt(d_k)
     if mask is not None:  # 0 (or False) hides a key, in a mask of any dtype
@@ -671,13 +639,9 @@ def example_why_scale():
     torch.manual_seed(0)
     for d_k in (4, 64, 512):  # 1,000 queries, each against 10 keys
         dots = (torch.randn(1000, 10, d_k) @ torch.randn(1000, d_k, 1)).squeeze(-1)
-        raw, scaled = (
-            x.softmax(-1).max(-1).values.mean() for x in (dots, dots / d_k**0.5)
-        )
-        print(
-            f"d_k={d_k:4d}: var(q.k)={dots.var():7.1f}  mean top weight over 10 "
-            f"keys: unscaled {raw:.2f}, scaled {scaled:.2f}"
-        )
+        top = [s.softmax(-1).max(-1).values.mean() for s in (dots, dots / d_k**0.5)]
+        weights = f"unscaled {top[0]:.2f}, scaled {top[1]:.2f}"
+        print(f"d_k={d_k:4d}: var(q.k)={dots.var():7.1f}, mean top weight {weights}")
 
 
 show_example(example_why_scale)
@@ -686,45 +650,31 @@ show_example(example_why_scale)
 # %% [markdown]
 # ### Multi-head attention (§3.2.2)
 #
-# One attention averages what it reads into one vector. Multi-head attention runs
-# $h$ attentions side by side, each on its own learned projection of the inputs to a
-# width $d_k = d_v = d_{\text{model}}/h$, so that each can attend to something
-# different, and joins their results:
+# One attention averages what it reads into one vector. Multi-head attention runs $h$
+# of them side by side, each on its own learned projection to width
+# $d_k = d_v = d_{\text{model}}/h$ (the paper: $h = 8$, $d_k = 64$), so each can
+# attend to something different:
 #
 # $$\mathrm{MultiHead}(Q, K, V) = \mathrm{Concat}(\mathrm{head}_1, \dots, \mathrm{head}_h)\,W^O,
-# \qquad \mathrm{head}_i = \mathrm{Attention}(Q W^Q_i, K W^K_i, V W^V_i),$$
+# \qquad \mathrm{head}_i = \mathrm{Attention}(Q W^Q_i, K W^K_i, V W^V_i).$$
 #
-# with $W^Q_i, W^K_i, W^V_i \in \mathbb{R}^{d_{\text{model}} \times d_k}$ and
-# $W^O \in \mathbb{R}^{h d_v \times d_{\text{model}}}$; the paper uses $h = 8$ and
-# $d_k = d_v = 64$.
+# ![Multi-head attention (the paper's Figure 2, right)](https://raw.githubusercontent.com/annotated-transformer/annotated-transformer/main/images/multi_head_attention.png)
 #
-# ![Multi-head attention: projections of Q, K and V, h heads of attention side by side,
-# concatenated and projected back (the paper's Figure 2,
-# right)](https://raw.githubusercontent.com/annotated-transformer/annotated-transformer/main/images/multi_head_attention.png)
-#
-# In code the $h$ matrices $W^Q_1 \dots W^Q_h$ are one $d_{\text{model}} \times
-# d_{\text{model}}$ linear layer whose output is cut into $h$ slices, and likewise for
-# $K$ and $V$; $W^O$ is one matrix in the paper too. These are the four layers in
-# `self.linears`. `heads` projects and cuts; `attend` computes the heads and joins
-# them. In training mode `attend` calls PyTorch's fused
-# `F.scaled_dot_product_attention`, Eq. (1) with dropout in one kernel that keeps no
-# weights, which makes training fast; in eval mode it calls `attention` above and
-# keeps the weights in `.attn` for Part 5's attention maps. The tests check that the
-# two agree.
+# In code, $W^Q_1 \dots W^Q_h$ are one `d_model × d_model` layer whose output `heads`
+# cuts into $h$ slices, and likewise for $K$ and $V$; $W^O$, one matrix in the paper
+# too, is the fourth of `self.linears`. `attend` computes the heads and joins them: in
+# training with PyTorch's fused `F.scaled_dot_product_attention` (Eq. (1) and dropout
+# in one fast kernel that keeps no weights), in eval mode with `attention`, keeping
+# the weights in `.attn` for Part 5's maps. The tests check that the two agree.
 
 
 # %%
 class MultiHeadedAttention(nn.Module):
-    """h parallel attention heads over learned projections of Q, K and V (§3.2.2).
-
-    forward(query, key, value, mask=None): query (batch, q_len, d_model), key and
-    value (batch, k_len, d_model), mask (batch or 1, q_len or 1, k_len) with 1/True
-    where a query may attend -> (batch, q_len, d_model). Side effect: `.attn` holds
-    the weights of the last call in eval mode, (batch, h, q_len, k_len), detached
-    (None before); Part 5's `attention_maps(model)` collects them from a model.
-    `heads` and `attend` are the two halves of forward, for callers (the key/value
-    cache) that project keys and values themselves.
-    """
+    """h attention heads over learned projections of Q, K and V (§3.2.2): query
+    (batch, q_len, d_model), key and value (batch, k_len, d_model), mask (batch or
+    1, q_len or 1, k_len), 1/True where a query may attend -> (batch, q_len,
+    d_model). In eval mode `.attn` keeps the last weights, (batch, h, q_len, k_len),
+    for Part 5's attention_maps. `heads` and `attend` are forward's two halves."""
 
     def __init__(self, h, d_model, dropout=0.1):
         super().__init__()
@@ -739,11 +689,9 @@ class MultiHeadedAttention(nn.Module):
 
     def forward(self, query, key, value, mask=None):
         """query: (batch, q_len, d_model); key, value: (batch, k_len, d_model)."""
-        # 1) Project, then split d_model into h heads.
-        query, key, value = (
-            self.heads(lin, x)
-            for lin, x in zip(self.linears[:3], (query, key, value), strict=True)
-        )
+        query = self.heads(self.linears[0], query)  # 1) project, split into heads
+        key = self.heads(self.linears[1], key)
+        value = self.heads(self.linears[2], value)
         return self.attend(query, key, value, mask)
 
     def attend(self, query, key, value, mask=None):
@@ -762,13 +710,10 @@ class MultiHeadedAttention(nn.Module):
 # %% [markdown]
 # #### Attention by hand, with numbers
 #
-# *Our example.* Eq. (1) on numbers small enough for pencil and paper: 4 tokens,
-# $d_{\text{model}} = 4$, $h = 2$ heads of $d_k = 2$, projections of 0s and 1s
-# without biases, and the look-ahead mask. Each matrix multiplies a row from the
-# right, as in the paper: token $i$'s query is $x_i W^Q$, whose entries 0–1 are head
-# 0's and 2–3 head 1's (`nn.Linear` stores the transpose). The cell runs the layer's
-# own steps, `heads`, `attention` and `attend`, and prints each tensor at batch 0
-# and head 0, row $i$ for token (or query) $i$, counted from 0.
+# *Our example.* 4 tokens of $d_{\text{model}} = 4$, 2 heads of $d_k = 2$,
+# projections of 0s and 1s without biases, and the look-ahead mask. Entries 0–1 of
+# token $i$'s query $x_i W^Q$ are head 0's, 2–3 head 1's. The cell runs the layer's
+# own `heads`, `attention` and `attend`, printing each tensor at batch 0 and head 0.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -814,56 +759,45 @@ show_example(example_attention_by_hand)
 
 
 # %% [markdown]
-# Query 2 of head 0, the third row of each table, by hand. Token 2 is
-# $x_2 = (0, 1, 1, 0)$, so $x_2 W^Q$ is the sum of rows 1 and 2 of `W_Q`,
-# $(1, 1, 1, 1)$, and head 0's query its first half, $q = (1, 1)$. Head 0's keys are
-# $(1, 0), (2, 1), (2, 0), (2, 2)$ and its values $(1, 0), (0, 2), (1, 1), (2, 2)$.
+# Query 2 of head 0 by hand. $x_2 = (0, 1, 1, 0)$, so $x_2 W^Q$ is rows 1 plus 2 of
+# `W_Q`, $(1, 1, 1, 1)$, and head 0's query is $q = (1, 1)$. Head 0's keys are
+# $(1, 0), (2, 1), (2, 0), (2, 2)$, its values $(1, 0), (0, 2), (1, 1), (2, 2)$.
 #
-# 1. Dot products $q \cdot k_j$: 1, 3, 2, 4; divided by $\sqrt 2$: 0.707, 2.121,
-#    1.414, 2.828.
-# 2. The mask's row 2 is 1 1 1 0: key 3 lies in the future, its weight will be 0.
-# 3. Exponentials $2.028, 8.342, 4.113$ (and 0) sum to 14.484; divided by it, the
-#    weights are 0.140, 0.576, 0.284 and 0.
-# 4. $0.140\,(1, 0) + 0.576\,(0, 2) + 0.284\,(1, 1) = (0.424, 1.436)$, row 2 of
+# 1. $q \cdot k_j / \sqrt 2$: 0.707, 2.121, 1.414, 2.828; the mask hides key 3.
+# 2. Exponentials 2.028, 8.342, 4.113 (and 0) sum to 14.484: the weights are 0.140,
+#    0.576, 0.284, 0.
+# 3. $0.140\,(1, 0) + 0.576\,(0, 2) + 0.284\,(1, 1) = (0.424, 1.436)$, row 2 of
 #    `head 0 out`.
 #
-# `joined` sets the two heads' outputs side by side (the Concat), and `output` is
-# `joined` times $W^O$: its row 2 starts with $0.424 + 1.144 = 1.568$, as rows 0 and
-# 2 of `W_O` have a 1 in column 0. Without the mask, key 3 would take 0.539 of the
-# weight: the decoder would read the word it is to predict.
+# `output` is `joined` (the Concat) times $W^O$. Unmasked, key 3 would take 0.539 of
+# the weight: the decoder would read the word it is to predict.
 
 
 # %% [markdown]
 # ### The three uses of attention in the model (§3.2.3)
 #
-# The same class serves three places, which differ in where the queries, keys and
-# values come from and in the mask. With batch $B$, $n$ source and $m$ target tokens:
+# The same class serves three places; they differ in where queries, keys and values
+# come from, and in the mask (batch `B`, `n` source and `m` target tokens):
 #
-# | Where | Queries from | Keys and values from | Mask | Weights |
+# | Where | Queries | Keys and values | Mask | Weights |
 # |---|---|---|---|---|
-# | Encoder self-attention | encoder, $(B, n, d_{\text{model}})$ | the same | source padding | $(B, h, n, n)$ |
-# | Decoder self-attention | decoder, $(B, m, d_{\text{model}})$ | the same | target padding and look-ahead | $(B, h, m, m)$ |
-# | Encoder–decoder attention | decoder, $(B, m, d_{\text{model}})$ | memory, $(B, n, d_{\text{model}})$ | source padding | $(B, h, m, n)$ |
-#
-# The third is how each output position consults the source sentence, the role
-# attention played in earlier translation models.
+# | encoder self-attention | encoder `(B, n, d_model)` | the same | source padding | `(B, h, n, n)` |
+# | decoder self-attention | decoder `(B, m, d_model)` | the same | target padding, look-ahead | `(B, h, m, m)` |
+# | encoder–decoder attention | decoder `(B, m, d_model)` | memory `(B, n, d_model)` | source padding | `(B, h, m, n)` |
 
 # %% [markdown]
 # ### Position-wise feed-forward networks (§3.3)
 #
-# After attention each position passes, on its own, through the same two-layer
-# network (*Eq. (2)*), with inner width $d_{ff} = 2048 = 4\,d_{\text{model}}$:
+# After attention, each position passes on its own through the same two-layer
+# network (*Eq. (2)*), two convolutions of kernel size 1 in effect, with inner width
+# $d_{ff} = 2048 = 4\,d_{\text{model}}$:
 #
-# $$\mathrm{FFN}(x) = \max(0,\; x W_1 + b_1)\, W_2 + b_2,$$
+# $$\mathrm{FFN}(x) = \max(0,\; x W_1 + b_1)\, W_2 + b_2.$$
 #
-# the same as two convolutions of kernel size 1.
-#
-# **Why expand and project back?** *Our reading:* once its weights are fixed,
-# attention is linear in the values; the ReLU here is where a position's features
-# pass through a non-linearity, and a wider layer gives it more units to switch.
-# In the base model it holds two thirds of an encoder layer's parameters
-# ($2 \cdot 512 \cdot 2048$ weights against $4 \cdot 512^2$). Projecting back keeps
-# the residual path $d_{\text{model}}$ wide.
+# *Our reading:* with its weights fixed, attention is linear in the values; this ReLU
+# is where a position's features meet a non-linearity, and a wider layer has more
+# units to switch. It holds two thirds of an encoder layer's weights
+# ($2 \cdot 512 \cdot 2048$ against $4 \cdot 512^2$).
 
 
 # %%
@@ -884,18 +818,16 @@ class PositionwiseFeedForward(nn.Module):
 # ### Embeddings and softmax (§3.4)
 #
 # Learned embeddings turn token ids into vectors of size $d_{\text{model}}$ (the table
-# is `lut`, the 2018/2022 notebook's name, so its weights load). The paper multiplies
-# them by $\sqrt{d_{\text{model}}}$ without saying why. *Our reading:* the factor
-# sets the words' size against the positional encodings added next, whose entries
-# lie in $[-1, 1]$. How the tables start is not in the paper either; from the Xavier
-# start used here (see [Full model](#Full-model)), a $37{,}000 \times 512$ table's
-# entries have a standard deviation of $\sqrt{2/37{,}512} \approx 0.007$, and
-# $\sqrt{512} \approx 22.6$ lifts that to 0.17. Shared tables start from
-# $\mathcal{N}(0, 1/d_{\text{model}})$, which the factor brings to 1
-# ([Part 4](#Part-4:-Additional-components) says why). The paper shares one matrix
-# between the two embeddings and the generator
-# ([Press and Wolf, 2017](https://arxiv.org/abs/1608.05859)):
-# `make_model(..., share_embeddings=True, tie_generator=True)`.
+# is `lut`, as in the 2018/2022 notebook). The paper scales them by
+# $\sqrt{d_{\text{model}}}$ without saying why. *Our reading:* the factor sets the
+# words' size against the positional encodings added next, in $[-1, 1]$. The paper
+# does not say how tables start either: Xavier-initialised ([Full
+# model](#Full-model)), a $37{,}000 \times 512$ table's entries have a standard
+# deviation of 0.007, which $\sqrt{512}$ lifts to 0.17; tables started from
+# $\mathcal{N}(0, 1/d_{\text{model}})$ are lifted to 1 ([Part
+# 4](#Part-4:-Additional-components) says why). The paper shares one matrix between
+# both embeddings and the generator
+# ([Press and Wolf, 2017](https://arxiv.org/abs/1608.05859)).
 
 
 # %%
@@ -911,33 +843,27 @@ class Embeddings(nn.Module):
     def forward(self, x):
         return self.lut(x) * math.sqrt(self.d_model)
 
-    def __len__(self):
-        return self.lut.num_embeddings
-
 
 # %% [markdown]
 # ### Positional encoding (§3.5)
 #
-# Attention ignores order: shuffle the keys and values together and the output is
-# the same. So each embedding gets a vector added that depends on its position
-# alone, made of sines and cosines: for position $pos$ and pair $i = 0 \dots
-# d_{\text{model}}/2 - 1$,
+# Attention ignores order: shuffle the keys with their values and the output is the
+# same. So each embedding gets a vector added that depends on its position alone; for
+# position $pos$ and pair $i$,
 #
 # $$PE_{(pos,\,2i)} = \sin\!\big(pos / 10000^{2i/d_{\text{model}}}\big), \qquad
 #   PE_{(pos,\,2i+1)} = \cos\!\big(pos / 10000^{2i/d_{\text{model}}}\big).$$
 #
 # Each pair is a clock hand turning at its own speed, with wavelengths from $2\pi$ to
-# $10000 \cdot 2\pi$. Moving $k$ positions turns every pair by a fixed angle, so
-# $PE_{pos+k}$ is a linear function of $PE_{pos}$ (a rotation per pair,
-# `tests/test_part1_model.py` fits it): the paper hoped this makes relative positions
-# easy to attend to. Dropout (0.1) acts on the sum of embedding and encoding.
+# $10000 \cdot 2\pi$. Moving $k$ positions turns each pair by a fixed angle, so
+# $PE_{pos+k}$ is a linear function of $PE_{pos}$ (`tests/test_part1_model.py` fits
+# it): the paper hoped this makes relative positions easy to attend to.
 #
-# **Why not learned positions?** The paper tried them and found nearly the same
-# results (its Table 3, row E). It kept the sinusoids because they are defined for
-# every position, also ones longer than any sentence seen in training (whether a model
-# uses those well is another matter: [Press et al.,
-# 2021](https://arxiv.org/abs/2108.12409)). Our class computes the codes of `max_len`
-# positions (5,000 by default) once, and refuses a longer input, naming
+# Learned positions did nearly as well (Table 3, row E); the paper kept the sinusoids,
+# defined for every position, also past the longest training sentence (whether a
+# model uses those well is another matter:
+# [Press et al., 2021](https://arxiv.org/abs/2108.12409)). Our class computes
+# `max_len` positions (5,000 by default) once and refuses a longer input, naming
 # `make_model(max_len=...)`.
 
 
@@ -950,9 +876,8 @@ def check_length(x, max_len):
 
 # %%
 class PositionalEncoding(nn.Module):
-    """Add the sinusoidal position code to a (batch, seq, d_model) input, then
-    dropout. The codes of max_len positions are a buffer, `pe`; a longer input is
-    an error."""
+    """Add the sinusoidal position codes (the buffer `pe`, max_len positions) to a
+    (batch, seq, d_model) input, then dropout."""
 
     def __init__(self, d_model, dropout, max_len=5000, base=10000.0):
         super().__init__()
@@ -976,11 +901,10 @@ class PositionalEncoding(nn.Module):
 
 
 # %% [markdown]
-# **What does 10000 set?** The longest wavelength. Below, the encoding of 128
-# positions × 128 features at base 10,000 (left) and at base 100 (right). At 10,000
-# every pair from feature 64 on has a wavelength of 628 positions or more, so the
-# right half barely turns over these 128 positions; at 100 the wavelength at feature
-# 64 is 63 positions, and most pairs turn fast.
+# **What does 10000 set?** The longest wavelength. Below, 128 positions × 128
+# features at base 10,000 (left) and base 100 (right). At 10,000, a third of the
+# features turn through a whole cycle within the 128 positions, and from feature 64 on
+# a pair's wavelength is 628 positions or more; at 100, two thirds turn a whole cycle.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -1011,24 +935,16 @@ show_example(example_positional_bases)
 # %% [markdown]
 # ### Full model
 #
-# `make_model` builds the Transformer from its sizes; the defaults are the paper's
-# base model (*§3*, Table 3): $N = 6$, $d_{\text{model}} = 512$, $d_{ff} = 2048$,
-# $h = 8$, dropout 0.1. *Our choice:* weight matrices start from Glorot/Xavier
-# uniform initialisation ([Glorot and Bengio,
+# `make_model` builds the model from its sizes; the defaults are the paper's base
+# model (*§3*, Table 3). *Our choice:* matrices start from Glorot/Xavier uniform
+# initialisation ([Glorot and Bengio,
 # 2010](https://proceedings.mlr.press/v9/glorot10a.html)), as in the 2018 notebook;
-# the paper does not say how it initialised. Options beyond the 2018 signature:
-#
-# * `norm_first=False`: the paper's post-norm layout.
-# * `share_embeddings=True`: one embedding matrix for both languages (needs
-#   `src_vocab == tgt_vocab`); `tie_generator=True`: the generator reuses the target
-#   embedding matrix. The paper does both (§3.4).
-# * `embedding_init`: `"glorot"`, or `"normal"` for $\mathcal{N}(0,
-#   1/d_{\text{model}})$; by default `"normal"` when a matrix is shared.
-# * `max_len`: the longest input the positional encoding accepts.
-#
-# The model checks what a user hands it where it arrives: `make_model` its sizes
-# (the folded cell), `encode`, `decode` and `forward` their masks, and the positional
-# encoding its input's length, each with a one-line message.
+# the paper does not say. Beyond the 2018 signature: `norm_first=False`, the paper's
+# post-norm; `share_embeddings` (one vocabulary) and `tie_generator`, the paper's
+# sharing (§3.4); `embedding_init`, `"glorot"` or `"normal"` ($\mathcal{N}(0,
+# 1/d_{\text{model}})$, the default when a matrix is shared); `max_len`. It checks its
+# sizes in the folded cell, in one line each, as the model checks its masks and the
+# positional encoding its input's length.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -1055,8 +971,7 @@ def initialize(model, embedding_init=None):
     """Glorot/Xavier uniform for every matrix (a shared one once); with "normal",
     the embedding matrices from N(0, 1/d_model) instead (None: "normal" when the
     model shares a matrix, else "glorot")."""
-    src_lut = model.src_embed[0].lut.weight
-    tgt_lut = model.tgt_embed[0].lut.weight
+    src_lut, tgt_lut = model.src_embed[0].lut.weight, model.tgt_embed[0].lut.weight
     shared = src_lut is tgt_lut or model.generator.proj.weight is tgt_lut
     if embedding_init is None:
         embedding_init = "normal" if shared else "glorot"
@@ -1113,12 +1028,11 @@ def make_model(
 
 
 # %% [markdown]
-# The paper trained two sizes: *base*, the defaults above, and *big* (its Table 3),
-# `make_model(V, V, N=6, d_model=1024, d_ff=4096, h=16, dropout=0.3)`, whose 16
-# heads keep $d_k = 64$. It reports 65 and 213 million parameters; it rounds, and
-# does not say what it counted. The cell counts ours with a shared 37,000-token
-# vocabulary and all three matrices tied, on PyTorch's `meta` device, which records
-# shapes and allocates nothing (`tests/test_part1_model.py` checks the counts by hand).
+# The paper's *big* model (Table 3) is
+# `make_model(V, V, N=6, d_model=1024, d_ff=4096, h=16, dropout=0.3)`. The paper
+# reports 65 and 213 million parameters, rounded, without saying what it counted. The
+# cell counts ours with a shared 37,000-token vocabulary, on PyTorch's `meta` device,
+# which allocates nothing (`tests/test_part1_model.py` checks them by hand).
 
 
 # %%
@@ -1144,10 +1058,9 @@ show_example(example_parameter_count)
 # %% [markdown]
 # ### Inference with an untrained model
 #
-# Decoding is autoregressive: encode the source once, then run the decoder on the
-# tokens so far, append the most likely next token, and repeat. An untrained model
-# has learned nothing, so the start symbol here is just id 0 (Part 2's copy task
-# fixes its own) and the output is arbitrary, often one token repeated.
+# Decoding: encode the source once, then run the decoder on the tokens so far, append
+# the most likely next token, and repeat. Untrained, the model has learned nothing:
+# the start symbol is just id 0, and the output arbitrary, often one token repeated.
 
 
 # %%
@@ -4178,22 +4091,17 @@ class DummyOptimizer(DummyScheduler):
 # %% [markdown]
 # ### Appendix A: the same computation as PyTorch's own Transformer
 #
-# PyTorch ships Part 1's two stacks as `nn.TransformerEncoder` and
-# `nn.TransformerDecoder`, the halves of
+# PyTorch's `nn.TransformerEncoder` and `nn.TransformerDecoder`, the halves of
 # [`nn.Transformer`](https://docs.pytorch.org/docs/stable/generated/torch.nn.Transformer.html),
-# which has no embeddings, positional encoding or generator. Given the same weights,
-# its stacks and ours should compute the same function. The weights only have other
-# names, and `TORCH_NAMES` is the whole mapping: PyTorch keeps $W^Q$, $W^K$ and $W^V$
-# stacked in one matrix, `in_proj_weight`, our first three `linears`. Its masks mean
-# the opposite of ours (`True` hides), so each is one of ours negated with `~`, and
-# it takes the padding per key, `(batch, seq)`, apart from the look-ahead mask.
-#
-# `torch_stacks` (folded) builds PyTorch's stacks in our layout: batch first, our
-# `norm_first`, our $\epsilon = 10^{-6}$, and a final norm only for pre-norm. The
-# cell copies the weights each way and prints the largest difference of the
-# memories and of the decoder outputs, in float64, where one rounding is about
-# $10^{-16}$; `tests/test_part1_reference.py` shows that one weight moved by
-# $10^{-6}$ breaks the equality, and compares on PyTorch's fused fast path too.
+# are Part 1's two stacks. Given the same weights, theirs and ours should compute the
+# same function. `TORCH_NAMES` maps the weights' names; PyTorch stacks $W^Q$, $W^K$
+# and $W^V$ in one matrix, `in_proj_weight`. Its masks mean the opposite of ours
+# (`True` hides), so each is one of ours negated with `~`, and it takes the padding
+# per key, `(batch, seq)`, apart from the look-ahead mask. `torch_stacks` (folded)
+# builds its stacks in our layout. The cell copies the weights each way and prints
+# the largest differences, in float64, where one rounding is about $10^{-16}$;
+# `tests/test_part1_reference.py` shows that one weight moved by $10^{-6}$ breaks the
+# equality, and also compares on PyTorch's fused fast path.
 
 
 # %%
