@@ -764,8 +764,8 @@ show_example(example_attention_by_hand)
 # $(1, 0), (2, 1), (2, 0), (2, 2)$, its values $(1, 0), (0, 2), (1, 1), (2, 2)$.
 #
 # 1. $q \cdot k_j / \sqrt 2$: 0.707, 2.121, 1.414, 2.828; the mask hides key 3.
-# 2. Exponentials 2.028, 8.342, 4.113 (and 0) sum to 14.484: the weights are 0.140,
-#    0.576, 0.284, 0.
+# 2. Exponentials 2.028, 8.342, 4.113 (and 0) sum to 14.484; the weights are
+#    0.140, 0.576, 0.284 and 0.
 # 3. $0.140\,(1, 0) + 0.576\,(0, 2) + 0.284\,(1, 1) = (0.424, 1.436)$, row 2 of
 #    `head 0 out`.
 #
