@@ -903,8 +903,8 @@ class PositionalEncoding(nn.Module):
 # %% [markdown]
 # **What does 10000 set?** The longest wavelength. Below, 128 positions × 128
 # features at base 10,000 (left) and base 100 (right). At 10,000, a third of the
-# features turn through a whole cycle within the 128 positions, and from feature 64 on
-# a pair's wavelength is 628 positions or more; at 100, two thirds turn a whole cycle.
+# features have a wavelength within the 128 positions shown, and from feature 64 on
+# it is 628 positions or more; at 100, two thirds do.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}

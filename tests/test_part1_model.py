@@ -1323,3 +1323,20 @@ def test_a_smaller_base_turns_the_slowest_feature_pair_within_fewer_positions():
     pe_10000 = tat.PositionalEncoding(512, 0.0, max_len=700, base=10000.0).pe[0]
     # At most sin(699 * 10000^(-510/512)) = 0.072 (a quarter turn would be 1).
     assert pe_10000[:, 510].abs().max() < 0.1  # barely moves away from 0
+
+
+@pytest.mark.parametrize(("base", "turning"), [(10000.0, 42), (100.0, 84)])
+def test_the_maps_claim_a_third_of_the_features_turn_within_128_positions_at_10000(
+    base, turning
+):
+    # The claim beside the two maps (128 positions x 128 features): at base 10,000 a
+    # third of the features (42 of 128) have a wavelength within the 128 positions,
+    # at base 100 two thirds (84), and at 10,000 from feature 64 on a wavelength of
+    # 628 positions or more. Each pair's step per position, read off the class's own
+    # table at position 1 (sin w, cos w), gives its wavelength 2 pi / w.
+    pe = tat.PositionalEncoding(128, 0.0, max_len=128, base=base).pe[0].double()
+    step = torch.atan2(pe[1, 0::2], pe[1, 1::2])  # (64,): one per pair
+    wavelength = (2 * math.pi / step).repeat_interleave(2)  # (128,): per feature
+    assert int((wavelength <= 128).sum()) == turning
+    if base == 10000.0:
+        assert wavelength[64:].min() >= 628
