@@ -241,7 +241,8 @@ def check_masks(**masks):
     flags = torch.stack([misread(m) for m in named.values()]).tolist() if named else []
     for name, wrong in zip(named, flags, strict=True):
         problem = f"{name} leaves a query that sees no key, or is additive (0/-inf)"
-        fix = f"masks hold {CONVENTION}; mask == 0 turns a PyTorch or additive mask into ours"
+        fix = f"masks hold {CONVENTION}; mask == 0 turns a PyTorch or additive mask"
+        fix += " into ours"
         require(not wrong, f"{problem}: {fix}; and {NO_KEY.get(name, '')}.")
 
 
@@ -942,9 +943,9 @@ show_example(example_positional_bases)
 # the paper does not say. Beyond the 2018 signature: `norm_first=False`, the paper's
 # post-norm; `share_embeddings` (one vocabulary) and `tie_generator`, the paper's
 # sharing (§3.4); `embedding_init`, `"glorot"` or `"normal"` ($\mathcal{N}(0,
-# 1/d_{\text{model}})$, the default when a matrix is shared); `max_len`. It checks its
-# sizes in the folded cell, in one line each, as the model checks its masks and the
-# positional encoding its input's length.
+# 1/d_{\text{model}})$, the default when a matrix is shared); `max_len`. It refuses
+# sizes it cannot build with a one-line message (the folded cell), as the model does
+# masks it would misread and the positional encoding an input longer than `max_len`.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -1031,8 +1032,8 @@ def make_model(
 # The paper's *big* model (Table 3) is
 # `make_model(V, V, N=6, d_model=1024, d_ff=4096, h=16, dropout=0.3)`. The paper
 # reports 65 and 213 million parameters, rounded, without saying what it counted. The
-# cell counts ours with a shared 37,000-token vocabulary, on PyTorch's `meta` device,
-# which allocates nothing (`tests/test_part1_model.py` checks them by hand).
+# cell counts both of ours with a shared 37,000-token vocabulary, on PyTorch's `meta`
+# device, which allocates nothing (`tests/test_part1_model.py` checks them by hand).
 
 
 # %%
