@@ -181,37 +181,33 @@ def check_positive_int(**sizes):
 # %% [markdown]
 # ## Part 1: Model architecture
 #
-# *§3.* Like most translation models of its time, the Transformer is an
-# encoder-decoder ([Bahdanau et al., 2014](https://arxiv.org/abs/1409.0473)). The
-# encoder turns the source tokens $(x_1, \dots, x_n)$ into a sequence of vectors
-# $\mathbf{z} = (z_1, \dots, z_n)$, called the *memory*. The decoder then writes the
-# output $(y_1, \dots, y_m)$ one token at a time, and each step reads the memory and
-# every token written so far: the model is *autoregressive*
-# ([Graves, 2013](https://arxiv.org/abs/1308.0850)).
+# *§3.* The Transformer is an encoder-decoder
+# ([Bahdanau et al., 2014](https://arxiv.org/abs/1409.0473)). The encoder turns the
+# source tokens into vectors, the *memory*; the decoder writes the output one token
+# at a time, each step reading the memory and the tokens written so far. Below, the
+# paper's Figure 1, redrawn by our `tools/diagrams.py`: "Add & Norm" after each
+# sub-layer (*post-norm*).
 #
-# Two drawings of the same model, both made by our own code (`tools/diagrams.py`).
-# The first is the paper's layout, its Figure 1: each sub-layer is followed by an
-# "Add & Norm" block (*post-norm*).
+# ![The paper's Figure 1, redrawn](https://raw.githubusercontent.com/annotated-transformer/annotated-transformer/main/images/architecture_post_norm.png)
 #
-# ![The paper's layout (its Figure 1), redrawn: post-norm layers, each sub-layer
-# followed by Add & Norm](https://raw.githubusercontent.com/annotated-transformer/annotated-transformer/main/images/architecture_post_norm.png)
+# This book's default, with its class names: the norm before each sub-layer
+# (*pre-norm*), and one more at the end of each stack.
 #
-# The second is the model as this book computes it by default: the normalisation moves
-# to the input of each sub-layer (*pre-norm*, explained in §3.1 below), and each stack
-# ends with one more LayerNorm. The boxes carry the names of the classes defined below.
+# ![The book's model, pre-norm](https://raw.githubusercontent.com/annotated-transformer/annotated-transformer/main/images/architecture.png)
 #
-# ![The model as this book builds it: an encoder stack and a decoder stack of pre-norm
-# layers, joined by the memory, and a generator on top](https://raw.githubusercontent.com/annotated-transformer/annotated-transformer/main/images/architecture.png)
-#
-# `EncoderDecoder` wires the five parts together: the two embeddings, the encoder,
-# the decoder and the generator; each is defined below. Its masks follow the
-# convention of the masks section below (1 or `True`: *may attend*); the folded cell
-# checks the masks a user hands it, in one line each, since a mask in PyTorch's
-# opposite convention would otherwise run without an error and give wrong output.
+# `EncoderDecoder` joins the two embeddings, the encoder, the decoder and the
+# generator. Its masks hold 1 (or `True`) where a query *may attend*, 0 where not
+# ([Masks](#Masks) builds them). PyTorch's `nn.Transformer` means the opposite; such
+# a mask would run silently, with wrong output, so the folded cells refuse it, and a
+# mask of the wrong shape, in one line.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
 CONVENTION = "1/True where a query may attend (PyTorch's nn.Transformer: True hides)"
+NO_KEY = {  # besides a mask in PyTorch's convention, what leaves a query no key
+    "src_mask": "a source row must hold a real token",
+    "tgt_mask": "a target row must not start with padding: pad at the end",
+}
 
 
 def check_mask_shape(mask, name, batch, queries, keys):
@@ -238,25 +234,42 @@ def misread(mask):
 
 
 def check_masks(**masks):
-    """Refuse a mask that a model would misread: one left in PyTorch's or an additive
-    (0/-inf) convention shows in a query that sees no key (one wait for the device)."""
+    """Refuse a mask in which a query sees no key (PyTorch's convention, or padding
+    where it cannot be), or an additive (0/-inf) one (one wait for the device)."""
     named = {n: m for n, m in masks.items() if m is not None and not m.is_meta}
     flags = torch.stack([misread(m) for m in named.values()]).tolist() if named else []
     for name, wrong in zip(named, flags, strict=True):
         problem = f"{name} leaves a query that sees no key, or is additive (0/-inf)"
-        require(not wrong, f"{problem}: masks hold {CONVENTION}; pass mask == 0.")
+        fix = f"masks hold {CONVENTION}; mask == 0 turns a PyTorch or additive mask"
+        fix += " into ours"
+        require(not wrong, f"{problem}: {fix}; and {NO_KEY.get(name, '')}.")
+
+
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+def check_source(src, src_mask):
+    """encode's check: src_mask's shape and contents (one read from the device)."""
+    check_mask_shape(src_mask, "src_mask", src.size(0), 1, src.size(1))
+    check_masks(src_mask=src_mask)
+
+
+def check_target(tgt, tgt_mask, src=None):
+    """decode's check: tgt_mask's shape only, as decoding calls it every step; given
+    src (forward's check), also one tgt row per src row and tgt_mask's contents."""
+    if src is not None:
+        n, m = src.size(0), tgt.size(0)
+        require(n == m, f"src has {n} rows, tgt {m}: one per pair.")
+    check_mask_shape(tgt_mask, "tgt_mask", tgt.size(0), tgt.size(1), tgt.size(1))
+    if src is not None:
+        check_masks(tgt_mask=tgt_mask)
 
 
 # %%
 class EncoderDecoder(nn.Module):
-    """An encoder, a decoder, their two embeddings and the output generator.
-
-    forward(src, tgt, src_mask, tgt_mask) -> (batch, tgt_len, d_model), for integer
-    token ids src (batch, src_len) and tgt (batch, tgt_len); src_mask is (batch or
-    1, 1, src_len), tgt_mask (batch or 1, tgt_len or 1, tgt_len), of any dtype, 1 or
-    True where a query may attend (Batch builds both). The generator turns the
-    output into log-probabilities over the target vocabulary.
-    """
+    """An encoder, a decoder, their two embeddings and the output generator:
+    forward(src, tgt, src_mask, tgt_mask) -> (batch, tgt_len, d_model) for ids src
+    (batch, src_len) and tgt (batch, tgt_len); src_mask (batch or 1, 1, src_len) and
+    tgt_mask (batch or 1, tgt_len or 1, tgt_len), any dtype, 1/True where a query
+    may attend (Batch builds both)."""
 
     def __init__(self, encoder, decoder, src_embed, tgt_embed, generator):
         super().__init__()
@@ -268,31 +281,24 @@ class EncoderDecoder(nn.Module):
 
     def forward(self, src, tgt, src_mask, tgt_mask):
         """Encode the source, then decode the target against it."""
-        same = src.size(0) == tgt.size(0)
-        require(same, f"src has {src.size(0)} rows, tgt {tgt.size(0)}: one per pair.")
-        check_mask_shape(tgt_mask, "tgt_mask", tgt.size(0), tgt.size(1), tgt.size(1))
-        check_masks(tgt_mask=tgt_mask)  # src_mask: in encode
+        check_target(tgt, tgt_mask, src)  # encode checks the source
         return self.decode(self.encode(src, src_mask), src_mask, tgt, tgt_mask)
 
     def encode(self, src, src_mask):
-        """The memory, (batch, src_len, d_model), of source ids (batch, src_len).
-        Checks src_mask's shape and contents (one read from the device)."""
-        check_mask_shape(src_mask, "src_mask", src.size(0), 1, src.size(1))
-        check_masks(src_mask=src_mask)
+        """The memory, (batch, src_len, d_model), of source ids (batch, src_len)."""
+        check_source(src, src_mask)
         return self.encoder(self.src_embed(src), src_mask)
 
     def decode(self, memory, src_mask, tgt, tgt_mask):
-        """The decoder's output, (batch, tgt_len, d_model), for target ids tgt.
-        Checks tgt_mask's shape only: decoding calls it once per step."""
-        check_mask_shape(tgt_mask, "tgt_mask", tgt.size(0), tgt.size(1), tgt.size(1))
+        """The decoder's output, (batch, tgt_len, d_model), for target ids tgt."""
+        check_target(tgt, tgt_mask)
         return self.decoder(self.tgt_embed(tgt), memory, src_mask, tgt_mask)
 
 
 # %% [markdown]
-# The decoder's output is a vector of size $d_{\text{model}}$ per position. The
-# `Generator` (*§3.4*, the "Linear" and "Softmax" boxes of Figure 1) maps it to a
-# score for every word of the target vocabulary and turns the scores into
-# log-probabilities with a log-softmax.
+# The `Generator` (*§3.4*, Figure 1's "Linear" and "Softmax") maps each output
+# vector of size $d_{\text{model}}$ to a score per word of the target vocabulary,
+# then to log-probabilities.
 
 
 # %%
@@ -311,8 +317,8 @@ class Generator(nn.Module):
 # %% [markdown]
 # ### Encoder and decoder stacks (§3.1)
 #
-# The encoder is $N = 6$ identical layers applied one after the other, and so is the
-# decoder. `clones` makes $N$ independent copies of a layer (each has its own weights).
+# The encoder is $N = 6$ identical layers, one after the other, and so is the
+# decoder. `clones` makes $N$ copies of a layer, each with its own weights.
 
 
 # %%
@@ -324,59 +330,48 @@ def clones(module, N):
 # %% [markdown]
 # #### Layer normalisation
 #
-# Each sub-layer's output is normalised with layer normalisation
-# ([Ba et al., 2016](https://arxiv.org/abs/1607.06450)). For a vector
-# $x \in \mathbb{R}^{d}$ at one position,
+# Each sub-layer's output is normalised
+# ([Ba et al., 2016](https://arxiv.org/abs/1607.06450)); for the vector
+# $x \in \mathbb{R}^{d}$ of one position,
 #
 # $$\mathrm{LayerNorm}(x) = a \odot \frac{x - \mu}{\sqrt{\sigma^2 + \epsilon}} + b,
 # \qquad \mu = \frac{1}{d}\sum_i x_i, \quad \sigma^2 = \frac{1}{d}\sum_i (x_i - \mu)^2,$$
 #
-# with a learned gain $a$ and bias $b$. In code they are `a_2` and `b_2`: odd names,
-# kept from the 2018/2022 notebook so that its saved weights (whose keys end in
-# `norm.a_2`) load here.
+# with a learned gain $a$ and bias $b$ (`a_2`, `b_2`, named as in the 2018/2022
+# notebook so its weights load). `fused=False` computes the formula line by line; the
+# default calls `F.layer_norm`, PyTorch's faster kernel for it (tested equal).
 #
-# > **Changed.** The original divided by the *unbiased* standard deviation plus
-# > $\epsilon$; ours is the layer-norm paper's formula and equals `torch.nn.LayerNorm`.
-# > Details: [the table at the end](#What-changed-from-the-2018/2022-notebook).
-#
-# > **Note (why not BatchNorm?)** Batch normalisation averages each feature over the
-# > examples of a batch; with sentences of different lengths, padding would leak into
-# > those statistics, and at decoding time the batch may hold one sentence. Layer
-# > normalisation averages over the features of one position, so every token is
-# > normalised on its own. The cell after the class shows the two axes side by side.
-#
-# The formula, written out, is `layer_norm_explicit`; the class calls PyTorch's fused
-# kernel for the same computation, which is faster and is tested to agree.
+# > **Note (why not BatchNorm?)** BatchNorm averages each feature over a batch, where
+# > padding would leak in, and a batch may hold one sentence when decoding. LayerNorm
+# > normalises each token on its own. The cell below prints both.
 
 
 # %%
-def layer_norm_explicit(x, a_2, b_2, eps):
-    """The layer-norm formula above, step by step (a reference for the fused kernel)."""
-    mean = x.mean(dim=-1, keepdim=True)
-    var = ((x - mean) ** 2).mean(dim=-1, keepdim=True)  # biased: divide by d
-    return a_2 * (x - mean) / torch.sqrt(var + eps) + b_2
-
-
 class LayerNorm(nn.Module):
-    """Layer normalisation over the last dimension, with gain a_2 and bias b_2."""
+    """Layer normalisation over the last dimension, with gain a_2 and bias b_2;
+    fused=True computes it with F.layer_norm, False line by line."""
 
-    def __init__(self, features, eps=1e-6):
+    def __init__(self, features, eps=1e-6, fused=True):
         super().__init__()
         self.a_2 = nn.Parameter(torch.ones(features))
         self.b_2 = nn.Parameter(torch.zeros(features))
         self.eps = eps
+        self.fused = fused
 
     def forward(self, x):
-        # Same result as layer_norm_explicit, in one fused kernel.
-        return F.layer_norm(x, self.a_2.shape, self.a_2, self.b_2, self.eps)
+        if self.fused:  # PyTorch's kernel for the three lines below
+            return F.layer_norm(x, self.a_2.shape, self.a_2, self.b_2, self.eps)
+        mean = x.mean(dim=-1, keepdim=True)
+        var = ((x - mean) ** 2).mean(dim=-1, keepdim=True)  # biased: divide by d
+        return self.a_2 * (x - mean) / torch.sqrt(var + self.eps) + self.b_2
 
 
 # %%
 def example_layer_vs_batch_norm():
     """A tiny table: which numbers each normalisation averages over."""
     x = torch.tensor([[1.0, 2.0, 3.0], [10.0, 20.0, 30.0]])  # 2 tokens x 3 features
-    by_layer = layer_norm_explicit(x, torch.ones(3), torch.zeros(3), 1e-6)
-    by_batch = (x - x.mean(0)) / torch.sqrt(x.var(0, unbiased=False) + 1e-6)
+    by_layer = LayerNorm(3)(x).detach()  # each token over its features
+    by_batch = nn.BatchNorm1d(3, affine=False)(x)  # each feature over the tokens
     print("input (rows are tokens, columns are features):\n", x)
     print("LayerNorm: each row on its own ->\n", by_layer.round(decimals=3))
     print("BatchNorm: each column across tokens ->\n", by_batch.round(decimals=3))
@@ -388,33 +383,20 @@ show_example(example_layer_vs_batch_norm)
 # %% [markdown]
 # #### Residual connections, pre-norm and post-norm
 #
-# Around each sub-layer (attention or feed-forward) sits a residual connection
-# ([He et al., 2016](https://arxiv.org/abs/1512.03385)), and the sub-layer's output
-# passes through dropout before it is added (*§5.4*, "residual dropout"). The paper
-# normalises *after* adding the residual (post-norm, the "Add & Norm" of Figure 1):
+# Each sub-layer sits inside a residual connection
+# ([He et al., 2016](https://arxiv.org/abs/1512.03385)), with dropout on its output
+# (*§5.4*; dropout zeroes each element with probability $p$ in training and scales
+# the rest by $1/(1-p)$). The paper normalises *after* the addition (post-norm), the
+# 2018 notebook the sub-layer's *input* (pre-norm):
 #
-# $$\text{post-norm:}\quad x \mapsto \mathrm{LayerNorm}\big(x + \mathrm{Dropout}(\mathrm{Sublayer}(x))\big)$$
+# $$\text{post:}\ \mathrm{LayerNorm}\big(x + \mathrm{Dropout}(\mathrm{Sublayer}(x))\big), \qquad
+# \text{pre:}\ x + \mathrm{Dropout}\big(\mathrm{Sublayer}(\mathrm{LayerNorm}(x))\big).$$
 #
-# The 2018 notebook normalised the sub-layer's *input* instead (pre-norm):
-#
-# $$\text{pre-norm:}\quad x \mapsto x + \mathrm{Dropout}\big(\mathrm{Sublayer}(\mathrm{LayerNorm}(x))\big)$$
-#
-# > **Note (a difference from the paper).** Pre-norm is our default, as in the original
-# > notebook, which chose it "for code simplicity" (its words). It has a better reason
-# > too: the residual path carries the input through every layer untouched, so
-# > gradients reach the early layers without passing through a normalisation at every
-# > step, and training is less sensitive to the learning-rate warm-up
-# > ([Xiong et al., 2020](https://arxiv.org/abs/2002.04745)). It needs one extra
-# > normalisation at the end of each stack. Pass `make_model(..., norm_first=False)`
-# > for the paper's post-norm layout; Part 2 trains both and compares them.
-#
-# Every sub-layer and embedding produces vectors of size $d_{\text{model}} = 512$ so that
-# the residual additions line up.
-#
-# Dropout ([Srivastava et al., 2014](https://jmlr.org/papers/v15/srivastava14a.html))
-# zeroes each element with probability $p$ while training and scales the survivors by
-# $1/(1-p)$, so the expected value is unchanged; in eval mode it does nothing.
-# `SublayerConnection` holds the norm, the dropout and the choice of layout.
+# > **Note (a difference from the paper).** Pre-norm is our default: its residual path
+# > carries the input through every layer untouched, so gradients reach the early
+# > layers without crossing a norm at each step, and training depends less on the
+# > warm-up ([Xiong et al., 2020](https://arxiv.org/abs/2002.04745)).
+# > `make_model(..., norm_first=False)` builds the paper's layout; Part 2 trains both.
 
 
 # %%
@@ -437,8 +419,9 @@ class SublayerConnection(nn.Module):
 # %% [markdown]
 # #### Encoder
 #
-# An encoder layer has two sub-layers: multi-head self-attention, then a position-wise
-# feed-forward network (both defined in the sections after this one).
+# An encoder layer has two sub-layers, self-attention and a feed-forward network
+# (both below), each producing vectors of size $d_{\text{model}} = 512$ to match the
+# residual.
 
 
 # %%
@@ -458,10 +441,9 @@ class EncoderLayer(nn.Module):
 
 
 # %% [markdown]
-# The encoder is $N$ such layers, then one more layer normalisation. That last norm
-# belongs to the pre-norm layout: there, a layer's output is a sum that no norm has
-# seen yet. In the paper's post-norm layout every layer already ends with a
-# normalisation, so the final one is left out (`final_norm=False`).
+# The encoder is $N$ such layers, then one more norm: in the pre-norm layout a
+# layer's output is a sum no norm has seen. Post-norm layers already end with one,
+# so there it is left out (`final_norm=False`).
 
 
 # %%
@@ -483,9 +465,8 @@ class Encoder(nn.Module):
 # %% [markdown]
 # #### Decoder
 #
-# A decoder layer has a third sub-layer between the two an encoder layer has: attention
-# over the encoder's output (the memory). Its queries come from the decoder; its keys
-# and values come from the memory.
+# A decoder layer has a third sub-layer between the other two: attention over the
+# memory, with queries from the decoder and keys and values from the encoder.
 
 
 # %%
@@ -510,7 +491,7 @@ class DecoderLayer(nn.Module):
 
 
 # %% [markdown]
-# The decoder stacks $N$ of them, with the same final norm as the encoder.
+# The decoder stacks $N$ of them, with the same final norm.
 
 
 # %%
@@ -531,23 +512,15 @@ class Decoder(nn.Module):
 # %% [markdown]
 # #### Masks
 #
-# Two masks decide which positions an attention layer may look at. Both are boolean
-# tensors where `True` means *may attend* (PyTorch's own `nn.Transformer` uses the
-# opposite convention: there `True` hides).
+# Two boolean masks decide which keys each query may read (`True`: *may attend*):
 #
-# * The **subsequent (look-ahead) mask** is the paper's (*§3.1* and *§3.2.3*), for
-#   decoder self-attention only. During training the decoder sees the whole target
-#   sentence at once, shifted right by one; position $i$ must not peek at the words it
-#   is about to predict. So query $i$ may attend to keys $j \le i$ only. Shape
-#   `(1, seq, seq)`: the same for every sentence.
-# * The **padding mask** is an implementation matter the paper leaves unsaid. It hides
-#   the `<blank>` tokens that fill short sentences up to the length of the longest one
-#   in a batch. Padding carries no meaning, so no query should draw information from
-#   it. Shape `(batch, 1, seq)`: the same for every query.
+# * the **subsequent (look-ahead) mask** (*§3.2.3*), for decoder self-attention: the
+#   decoder reads the whole target at once in training, so query $i$ may attend only
+#   to keys $j \le i$, never to the words it is to predict. Shape `(1, seq, seq)`.
+# * the **padding mask**, which the paper leaves unsaid: it hides the `<blank>` tokens
+#   that fill short sentences up to the longest in a batch. Shape `(batch, 1, seq)`.
 #
-# The decoder's self-attention needs both at once (`padding & subsequent`): the
-# look-ahead mask keeps the future hidden, and the padding mask keeps the filler hidden
-# in the past of shorter sentences.
+# Decoder self-attention uses both (`padding & subsequent`).
 
 
 # %%
@@ -565,10 +538,8 @@ def padding_mask(tokens, pad):
 
 
 # %% [markdown]
-# The first chart of the book comes next. Every chart in it is one of two kinds, drawn
-# by the folded helpers below: a heat map of a matrix, or lines of a value against a
-# step. Below, query positions are rows and key positions are columns; the shaded
-# cells are the positions each query may look at.
+# The folded helpers below draw the book's charts. Here the shaded cells are the keys
+# (columns) each query (rows) may read.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -622,60 +593,33 @@ show_example(chart_subsequent_mask)
 # %% [markdown]
 # ### Attention (§3.2)
 #
-# An attention function takes a *query* and a set of *key*–*value* pairs, and returns a
-# weighted average of the values. The weight of each value says how well its key
-# matches the query. The paper's version is *scaled dot-product attention* (*§3.2.1,
-# Eq. (1)*): with the queries, keys and values stacked as rows of matrices $Q$, $K$
-# (width $d_k$) and $V$,
+# Attention maps a *query* and *key*–*value* pairs to an average of the values, each
+# weighted by how well its key matches the query. The paper's *scaled dot-product
+# attention* (*§3.2.1, Eq. (1)*), with queries, keys (width $d_k$) and values as rows
+# of $Q$, $K$, $V$:
 #
 # $$\mathrm{Attention}(Q, K, V) = \mathrm{softmax}\!\left(\frac{Q K^\top}{\sqrt{d_k}}\right) V.$$
 #
-# ![Scaled dot-product attention, one operation per box (the paper's Figure 2,
-# left)](https://raw.githubusercontent.com/annotated-transformer/annotated-transformer/main/images/scaled_dot_product_attention.png)
+# ![Scaled dot-product attention (the paper's Figure 2, left)](https://raw.githubusercontent.com/annotated-transformer/annotated-transformer/main/images/scaled_dot_product_attention.png)
 #
-# Row $i$ of $S = QK^\top/\sqrt{d_k}$ holds the scores of query $i$ against every key; the
-# softmax turns each row into weights that are positive and sum to one.
+# **Why a dot product?** It scores all pairs in one matrix product, without
+# parameters; additive attention ([Bahdanau et al.,
+# 2014](https://arxiv.org/abs/1409.0473)) runs a small network per pair. **Why
+# divide by $\sqrt{d_k}$?** For $q$ and $k$ of independent entries with mean 0 and
+# variance 1, $q \cdot k$ has variance $d_k$ (footnote 4); large scores give one key
+# nearly all the weight, where the softmax's gradient is small. The cell after the
+# function prints both. **Why a softmax?** *Our reading:* the weights sum to one, so
+# keys compete and the output stays on the values' scale.
 #
-# **Why a dot product?** The paper weighs it against *additive* attention
-# ([Bahdanau et al., 2014](https://arxiv.org/abs/1409.0473)), which scores a key with a
-# small feed-forward network, $v^\top \tanh(W_1 q + W_2 k)$. Both cost about the same
-# number of operations, but the dot product is one matrix multiplication for all
-# queries and keys at once, which hardware does fastest and which needs no extra
-# parameters. Additive attention did better than *unscaled* dot products for large
-# $d_k$ in the large study of [Britz et al. (2017)](https://arxiv.org/abs/1703.03906),
-# which the paper cites; the paper reads that as the softmax saturating, and the
-# $1/\sqrt{d_k}$ scale is its remedy.
-#
-# **Why divide by $\sqrt{d_k}$?** If the entries of a query and a key are independent with
-# mean 0 and variance 1, their dot product is a sum of $d_k$ such products and has
-# variance $d_k$ (the paper's footnote 4). For $d_k = 64$ the scores then spread over a
-# range of about $\pm 16$, and the softmax puts most of the weight on one key, where
-# its gradient is small (the paper's argument). Dividing by $\sqrt{d_k}$ brings the
-# variance back to 1. The cell after the function measures the first two effects:
-# the variance of the dot products, and the mean weight of the top key among ten.
-#
-# **Why a softmax and not a sigmoid per key?** *Our reading:* the softmax makes the
-# keys *compete*. The weights sum to one, so the output is an average of the values and
-# stays on their scale however many keys there are. Independent sigmoids would let
-# every key switch on at once, and the size of the output would grow with the
-# sentence length.
-#
-# A mask marks the keys a query may see; a 0 (or `False`) hides a key. Hidden
-# positions get the most negative number the scores' dtype can hold before the
-# softmax, and their weight is then set to exactly zero.
-#
-# > **Changed.** The original filled hidden scores with `-1e9`; see [the table at
-# > the end](#What-changed-from-the-2018/2022-notebook) for what that did in float16 and
-# > in fully hidden rows.
+# A mask entry of 0 hides a key: its score becomes the dtype's most negative number,
+# its weight exactly 0.
 
 
 # %%
 def attention(query, key, value, mask=None, dropout=None):
-    """Scaled dot-product attention, Eq. (1): query (..., q_len, d_k), key
-    (..., k_len, d_k), value (..., k_len, d_v) -> (output (..., q_len, d_v), weights
-    (..., q_len, k_len)). `mask` broadcasts to the weights' shape, any dtype, 1/True
-    where a query may attend, 0 hides (a row hiding every key gives zero output);
-    `dropout`, a module, acts on the weights."""
+    """Eq. (1): query (..., q_len, d_k), key (..., k_len, d_k), value (..., k_len,
+    d_v) -> (output (..., q_len, d_v), weights (..., q_len, k_len)); `mask`, any dtype,
+    1/True where a query may attend; `dropout`, a module, acts on the weights."""
     d_k = query.size(-1)
     scores = torch.matmul(query, key.transpose(-2, -1)) / math.sqrt(d_k)
     if mask is not None:  # 0 (or False) hides a key, in a mask of any dtype
@@ -695,13 +639,9 @@ def example_why_scale():
     torch.manual_seed(0)
     for d_k in (4, 64, 512):  # 1,000 queries, each against 10 keys
         dots = (torch.randn(1000, 10, d_k) @ torch.randn(1000, d_k, 1)).squeeze(-1)
-        raw, scaled = (
-            x.softmax(-1).max(-1).values.mean() for x in (dots, dots / d_k**0.5)
-        )
-        print(
-            f"d_k={d_k:4d}: var(q.k)={dots.var():7.1f}  mean top weight over 10 "
-            f"keys: unscaled {raw:.2f}, scaled {scaled:.2f}"
-        )
+        top = [s.softmax(-1).max(-1).values.mean() for s in (dots, dots / d_k**0.5)]
+        weights = f"unscaled {top[0]:.2f}, scaled {top[1]:.2f}"
+        print(f"d_k={d_k:4d}: var(q.k)={dots.var():7.1f}, mean top weight {weights}")
 
 
 show_example(example_why_scale)
@@ -710,52 +650,31 @@ show_example(example_why_scale)
 # %% [markdown]
 # ### Multi-head attention (§3.2.2)
 #
-# The paper's argument for several heads: one attention function averages what it
-# looks at into one vector, and that averaging keeps it from attending to different
-# kinds of information, from different representation subspaces, at the same time.
-# Multi-head attention runs $h$ attentions side by side, each on its own learned
-# projection of the inputs to a smaller width $d_k = d_v = d_{\text{model}}/h$, and
-# concatenates the results:
+# One attention averages what it reads into one vector. Multi-head attention runs $h$
+# of them side by side, each on its own learned projection to width
+# $d_k = d_v = d_{\text{model}}/h$ (the paper: $h = 8$, $d_k = 64$), so each can
+# attend to something different:
 #
 # $$\mathrm{MultiHead}(Q, K, V) = \mathrm{Concat}(\mathrm{head}_1, \dots, \mathrm{head}_h)\,W^O,
-# \qquad \mathrm{head}_i = \mathrm{Attention}(Q W^Q_i, K W^K_i, V W^V_i),$$
+# \qquad \mathrm{head}_i = \mathrm{Attention}(Q W^Q_i, K W^K_i, V W^V_i).$$
 #
-# with $W^Q_i, W^K_i \in \mathbb{R}^{d_{\text{model}} \times d_k}$,
-# $W^V_i \in \mathbb{R}^{d_{\text{model}} \times d_v}$ and
-# $W^O \in \mathbb{R}^{h d_v \times d_{\text{model}}}$. The paper uses $h = 8$ and
-# $d_k = d_v = 64$; the total work is about that of one full-width attention.
+# ![Multi-head attention (the paper's Figure 2, right)](https://raw.githubusercontent.com/annotated-transformer/annotated-transformer/main/images/multi_head_attention.png)
 #
-# ![Multi-head attention: projections of Q, K and V, h heads of attention side by side,
-# concatenated and projected back (the paper's Figure 2,
-# right)](https://raw.githubusercontent.com/annotated-transformer/annotated-transformer/main/images/multi_head_attention.png)
-#
-# In code the $h$ projections $W^Q_1 \dots W^Q_h$ are one $d_{\text{model}} \times
-# d_{\text{model}}$ linear layer whose output is split into $h$ slices, and likewise for
-# $K$, $V$ and $W^O$: that is the four linear layers in `self.linears`.
-#
-# `attend` holds two ways to compute the heads, side by side. In training mode it calls
-# PyTorch's fused `F.scaled_dot_product_attention`, which computes Eq. (1), dropout
-# included, in one kernel without storing the weights: that is what makes training
-# fast. In eval mode it calls `attention` above and keeps the weights of its last
-# call in `.attn` (without their autograd graph), for the attention maps of Part 5.
-# The tests check that the two ways give the same output.
-#
-# > **Changed.** The original gave every attention layer a dropout of 0.1 whatever
-# > `make_model` was asked for; ours passes the model's dropout through.
+# In code, $W^Q_1 \dots W^Q_h$ are one `d_model × d_model` layer whose output `heads`
+# cuts into $h$ slices, and likewise for $K$ and $V$; $W^O$, one matrix in the paper
+# too, is the fourth of `self.linears`. `attend` computes the heads and joins them: in
+# training with PyTorch's fused `F.scaled_dot_product_attention` (Eq. (1) and dropout
+# in one fast kernel that keeps no weights), in eval mode with `attention`, keeping
+# the weights in `.attn` for Part 5's maps. The tests check that the two agree.
 
 
 # %%
 class MultiHeadedAttention(nn.Module):
-    """h parallel attention heads over learned projections of Q, K and V (§3.2.2).
-
-    forward(query, key, value, mask=None): query (batch, q_len, d_model), key and
-    value (batch, k_len, d_model), mask (batch or 1, q_len or 1, k_len) with 1/True
-    where a query may attend -> (batch, q_len, d_model). Side effect: `.attn` holds
-    the weights of the last call, (batch, h, q_len, k_len), detached (None before
-    the first call); `attention_maps(model)` collects them from a whole model.
-    `heads` and `attend` are the two halves of forward, for callers (the key/value
-    cache) that project keys and values themselves.
-    """
+    """h attention heads over learned projections of Q, K and V (§3.2.2): query
+    (batch, q_len, d_model), key and value (batch, k_len, d_model), mask (batch or
+    1, q_len or 1, k_len), 1/True where a query may attend -> (batch, q_len,
+    d_model). In eval mode `.attn` keeps the last weights, (batch, h, q_len, k_len),
+    for Part 5's attention_maps. `heads` and `attend` are forward's two halves."""
 
     def __init__(self, h, d_model, dropout=0.1):
         super().__init__()
@@ -770,11 +689,9 @@ class MultiHeadedAttention(nn.Module):
 
     def forward(self, query, key, value, mask=None):
         """query: (batch, q_len, d_model); key, value: (batch, k_len, d_model)."""
-        # 1) Project, then split d_model into h heads.
-        query, key, value = (
-            self.heads(lin, x)
-            for lin, x in zip(self.linears[:3], (query, key, value), strict=True)
-        )
+        query = self.heads(self.linears[0], query)  # 1) project, split into heads
+        key = self.heads(self.linears[1], key)
+        value = self.heads(self.linears[2], value)
         return self.attend(query, key, value, mask)
 
     def attend(self, query, key, value, mask=None):
@@ -793,16 +710,10 @@ class MultiHeadedAttention(nn.Module):
 # %% [markdown]
 # #### Attention by hand, with numbers
 #
-# *Our example.* Eq. (1) on numbers small enough to redo with pencil and paper:
-# 4 tokens, $d_{\text{model}} = 4$, $h = 2$ heads of $d_k = 2$, projections of 0s and
-# 1s with zero biases, and the look-ahead mask of decoder self-attention. Each matrix
-# is written the way the paper applies it, to the right of a row: the query of token
-# $i$ is $x_i W^Q$, whose entries 0–1 are head 0's query (the paper's $W^Q_1$) and
-# entries 2–3 head 1's (`nn.Linear` stores the transpose). The cell runs the layer's
-# own steps: `heads` projects and splits, `attention` is Eq. (1) in every head, and
-# `attend` does the same again, then joins the heads and applies $W^O$. Each table is
-# one tensor at batch 0 (and head 0), under its full shape, `(batch, heads, seq, d_k)`
-# for the heads; its row $i$ belongs to token, or query, $i$, counted from 0.
+# *Our example.* 4 tokens of $d_{\text{model}} = 4$, 2 heads of $d_k = 2$,
+# projections of 0s and 1s without biases, and the look-ahead mask. Entries 0–1 of
+# token $i$'s query $x_i W^Q$ are head 0's, 2–3 head 1's. The cell runs the layer's
+# own `heads`, `attention` and `attend`, printing each tensor at batch 0 and head 0.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -848,80 +759,45 @@ show_example(example_attention_by_hand)
 
 
 # %% [markdown]
-# Now one row by hand: query 2 of head 0, the third row of each table. Token 2 is
-# $x_2 = (0, 1, 1, 0)$, so its projection is the sum of rows 1 and 2 of `W_Q`,
-# $(1, 1, 1, 1)$, and head 0's query is its first half, $q = (1, 1)$. Head 0's keys
-# are $k_0 = (1, 0)$, $k_1 = (2, 1)$, $k_2 = (2, 0)$, $k_3 = (2, 2)$ and its values
-# $v_0 = (1, 0)$, $v_1 = (0, 2)$, $v_2 = (1, 1)$, $v_3 = (2, 2)$.
+# Query 2 of head 0 by hand. $x_2 = (0, 1, 1, 0)$, so $x_2 W^Q$ is rows 1 plus 2 of
+# `W_Q`, $(1, 1, 1, 1)$, and head 0's query is $q = (1, 1)$. Head 0's keys are
+# $(1, 0), (2, 1), (2, 0), (2, 2)$, its values $(1, 0), (0, 2), (1, 1), (2, 2)$.
 #
-# 1. Dot products $q \cdot k_j$: 1, 3, 2, 4.
-# 2. Divided by $\sqrt{d_k} = \sqrt 2$: 0.707, 2.121, 1.414, 2.828, row 2 of
-#    `QK^T/sqrt(d_k)`.
-# 3. Row 2 of the mask is 1 1 1 0: key 3 lies in the future, so its score becomes the
-#    most negative float, whose exponential is 0.
-# 4. Exponentials: $e^{0.707} = 2.028$, $e^{2.121} = 8.342$, $e^{1.414} = 4.113$ and
-#    0, which sum to 14.484.
-# 5. Divided by the sum: 0.140, 0.576, 0.284 and exactly 0, row 2 of `weights`.
-# 6. The weighted sum of the value rows,
-#    $0.140\,(1, 0) + 0.576\,(0, 2) + 0.284\,(1, 1) = (0.424, 1.436)$, is row 2 of
+# 1. $q \cdot k_j / \sqrt 2$: 0.707, 2.121, 1.414, 2.828; the mask hides key 3.
+# 2. Exponentials 2.028, 8.342, 4.113 (and 0) sum to 14.484; the weights are
+#    0.140, 0.576, 0.284 and 0.
+# 3. $0.140\,(1, 0) + 0.576\,(0, 2) + 0.284\,(1, 1) = (0.424, 1.436)$, row 2 of
 #    `head 0 out`.
 #
-# Head 1 does the same with entries 2–3 of Q, K and V. `joined` sets the two heads'
-# outputs side by side (the Concat of §3.2.2), and `output` is `joined` times $W^O$:
-# its row 2 starts with $0.424 + 1.144 = 1.568$, since rows 0 and 2 of `W_O` have a 1
-# in column 0.
-#
-# > **Note (our reading of these numbers).** The weights depend only on differences of
-# > scores. Keys 0, 2 and 1 have dot products 1, 2 and 3, and weights 0.140, 0.284 and
-# > 0.576: each step of 1 in the dot product multiplies the weight by
-# > $e^{1/\sqrt 2} = 2.03$. Without the scale the factor would be $e = 2.72$ and the
-# > weights 0.090, 0.245 and 0.665, sharper, and sharper still for larger $d_k$. Without
-# > the mask, key 3, the highest score, would take 0.539 of the weight: the decoder
-# > would read the token it is meant to predict.
+# `output` is `joined` (the Concat) times $W^O$. Unmasked, key 3 would take 0.539 of
+# the weight: the decoder would read the word it is to predict.
 
 
 # %% [markdown]
 # ### The three uses of attention in the model (§3.2.3)
 #
-# The same `MultiHeadedAttention` class is used in three places. What differs is where
-# the queries, keys and values come from, and which mask applies. With $n$ source
-# tokens, $m$ target tokens and batch size $B$:
+# The same class serves three places; they differ in where queries, keys and values
+# come from, and in the mask (batch `B`, `n` source and `m` target tokens):
 #
-# | Where | Queries from | Keys and values from | Mask | Weights shape |
+# | Where | Queries | Keys and values | Mask | Weights |
 # |---|---|---|---|---|
-# | Encoder self-attention | encoder layer input, $(B, n, d_{\text{model}})$ | the same, $(B, n, d_{\text{model}})$ | source padding | $(B, h, n, n)$ |
-# | Decoder self-attention | decoder layer input, $(B, m, d_{\text{model}})$ | the same, $(B, m, d_{\text{model}})$ | target padding and look-ahead | $(B, h, m, m)$ |
-# | Encoder–decoder attention | decoder, $(B, m, d_{\text{model}})$ | encoder output (memory), $(B, n, d_{\text{model}})$ | source padding | $(B, h, m, n)$ |
-#
-# Self-attention lets every encoder position gather context from the whole source
-# sentence. In the decoder it does the same over the words produced so far (the
-# look-ahead mask keeps it causal). Encoder–decoder attention is how each output
-# position consults the source sentence, the role attention played in earlier
-# sequence-to-sequence models ([Bahdanau et al., 2014](https://arxiv.org/abs/1409.0473)).
+# | encoder self-attention | encoder `(B, n, d_model)` | the same | source padding | `(B, h, n, n)` |
+# | decoder self-attention | decoder `(B, m, d_model)` | the same | target padding, look-ahead | `(B, h, m, m)` |
+# | encoder–decoder attention | decoder `(B, m, d_model)` | memory `(B, n, d_model)` | source padding | `(B, h, m, n)` |
 
 # %% [markdown]
 # ### Position-wise feed-forward networks (§3.3)
 #
-# After attention, each position passes through the same small two-layer network, on
-# its own (*Eq. (2)*):
+# After attention, each position passes on its own through the same two-layer
+# network (*Eq. (2)*), two convolutions of kernel size 1 in effect, with inner width
+# $d_{ff} = 2048 = 4\,d_{\text{model}}$:
 #
-# $$\mathrm{FFN}(x) = \max(0,\; x W_1 + b_1)\, W_2 + b_2,$$
+# $$\mathrm{FFN}(x) = \max(0,\; x W_1 + b_1)\, W_2 + b_2.$$
 #
-# with an inner width $d_{ff} = 2048 = 4\,d_{\text{model}}$. Equivalently, two
-# convolutions with kernel size 1.
-#
-# **Why expand to $4 \times d_{\text{model}}$ and back?** *Our reading:* attention mixes
-# positions: each output is a weighted average of the value vectors. The weights
-# depend on the queries and keys through the softmax, but once they are fixed the
-# output is linear in the values, and the values are linear projections of the
-# input. The feed-forward layer's ReLU is the only place where a position's own
-# features pass through an element-wise non-linearity. Widening it gives the ReLU
-# more units to switch on and off, so the layer can represent richer functions of
-# a token's features. In the base model it holds about two thirds of an encoder
-# layer's parameters ($2 \cdot 512 \cdot 2048$ weights against $4 \cdot 512^2$ in
-# self-attention) and half of a decoder layer's, which has a second attention.
-# Projecting back to $d_{\text{model}}$ keeps the residual path the same width
-# everywhere.
+# *Our reading:* with its weights fixed, attention is linear in the values; this ReLU
+# is where a position's features meet a non-linearity, and a wider layer has more
+# units to switch. It holds two thirds of an encoder layer's weights
+# ($2 \cdot 512 \cdot 2048$ against $4 \cdot 512^2$).
 
 
 # %%
@@ -941,19 +817,17 @@ class PositionwiseFeedForward(nn.Module):
 # %% [markdown]
 # ### Embeddings and softmax (§3.4)
 #
-# Learned embeddings turn token ids into vectors of size $d_{\text{model}}$ (the
-# lookup table is `lut`, a name kept from the 2018/2022 notebook so that its saved
-# weights load here); the `Generator` above turns decoder vectors back into a
-# distribution over the target vocabulary. The paper multiplies embeddings by
-# $\sqrt{d_{\text{model}}}$ and does not say why. *Our reading:* embedding matrices start with small entries (Xavier
-# initialisation gives them a standard deviation of $\sqrt{2/(V + d_{\text{model}})}$,
-# under 0.01 for a 37,000-token vocabulary), so without the scale the positional
-# encodings added next, with entries in $[-1, 1]$, would swamp the words at first; the
-# factor $\sqrt{512} \approx 22.6$ narrows that gap. The paper also *shares* one matrix
-# between the two embeddings and the generator's projection, following
-# [Press and Wolf (2017)](https://arxiv.org/abs/1608.05859);
-# `make_model(..., share_embeddings=True, tie_generator=True)` does that (below, and
-# Part 4).
+# Learned embeddings turn token ids into vectors of size $d_{\text{model}}$ (the table
+# is `lut`, as in the 2018/2022 notebook). The paper scales them by
+# $\sqrt{d_{\text{model}}}$ without saying why. *Our reading:* the factor sets the
+# words' size against the positional encodings added next, in $[-1, 1]$. The paper
+# does not say how tables start either: Xavier-initialised ([Full
+# model](#Full-model)), a $37{,}000 \times 512$ table's entries have a standard
+# deviation of 0.007, which $\sqrt{512}$ lifts to 0.17; tables started from
+# $\mathcal{N}(0, 1/d_{\text{model}})$ are lifted to 1 ([Part
+# 4](#Part-4:-Additional-components) says why). The paper shares one matrix between
+# both embeddings and the generator
+# ([Press and Wolf, 2017](https://arxiv.org/abs/1608.05859)).
 
 
 # %%
@@ -969,52 +843,41 @@ class Embeddings(nn.Module):
     def forward(self, x):
         return self.lut(x) * math.sqrt(self.d_model)
 
-    def __len__(self):
-        return self.lut.num_embeddings
-
 
 # %% [markdown]
 # ### Positional encoding (§3.5)
 #
-# Attention itself ignores order: shuffle the keys and values together and the output
-# does not change. So the model adds to each embedding a vector that depends only on
-# its position. The paper uses fixed sines and cosines of different frequencies: for
-# position $pos$ and feature pair $i = 0 \dots d_{\text{model}}/2 - 1$,
+# Attention ignores order: shuffle the keys with their values and the output is the
+# same. So each embedding gets a vector added that depends on its position alone; for
+# position $pos$ and pair $i$,
 #
 # $$PE_{(pos,\,2i)} = \sin\!\big(pos / 10000^{2i/d_{\text{model}}}\big), \qquad
 #   PE_{(pos,\,2i+1)} = \cos\!\big(pos / 10000^{2i/d_{\text{model}}}\big).$$
 #
-# Each pair of features is a clock hand turning at its own speed. The wavelengths go
-# from $2\pi$ (pair 0) up to $10000 \cdot 2\pi$ (the last pair), a geometric progression.
-# Because shifting a sine–cosine pair by a fixed angle is a rotation, $PE_{pos+k}$ is a
-# *linear* function of $PE_{pos}$ for any fixed offset $k$ (the same 2×2 rotation per
-# pair, whatever $pos$ is). The paper hoped this would make relative positions easy to
-# attend to.
+# Each pair is a clock hand turning at its own speed, with wavelengths from $2\pi$ to
+# $10000 \cdot 2\pi$. Moving $k$ positions turns each pair by a fixed angle, so
+# $PE_{pos+k}$ is a linear function of $PE_{pos}$ (`tests/test_part1_model.py` fits
+# it): the paper hoped this makes relative positions easy to attend to.
 #
-# **Why fixed sines rather than learned positions?** The paper also tried learning
-# one vector per position, like a word embedding, as ConvS2S did
-# ([Gehring et al., 2017](https://arxiv.org/abs/1705.03122)), and found nearly the
-# same results (its Table 3, row E). It kept the sinusoids because they are defined for every
-# position: a model trained on sentences of up to 50 tokens still has a code for
-# position 200, while a learned table has no row for a position it never saw. (Whether
-# the model *uses* such codes well is another matter: [Press et al.
-# (2021)](https://arxiv.org/abs/2108.12409) found that sinusoids extrapolate poorly
-# too, and proposed a relative scheme instead.)
-#
-# **What does 10000 set?** The longest wavelength. With 10000 the slowest pairs barely
-# move over a few hundred positions, while the fast ones tell neighbours apart. With a
-# base of 100 the slowest wavelength is $100 \cdot 2\pi \approx 628$ positions and
-# most pairs turn fast. `base` is a keyword so the two can be compared; the cells
-# below draw both and measure what the difference does.
-#
-# Dropout (0.1 in the base model) is applied to the sum of embedding and encoding.
+# Learned positions did nearly as well (Table 3, row E); the paper kept the sinusoids,
+# defined for every position, also past the longest training sentence (whether a
+# model uses those well is another matter:
+# [Press et al., 2021](https://arxiv.org/abs/2108.12409)). Our class computes
+# `max_len` positions (5,000 by default) once and refuses a longer input, naming
+# `make_model(max_len=...)`.
+
+
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+def check_length(x, max_len):
+    """Refuse an input (batch, seq, ...) longer than the max_len positions coded."""
+    long = f"{x.size(1)} positions, more than max_len={max_len}: make_model"
+    require(x.size(1) <= max_len, f"{long}(max_len=...) sets the limit.")
 
 
 # %%
 class PositionalEncoding(nn.Module):
-    """Add the sinusoidal position code to a (batch, seq, d_model) input, then
-    dropout. The codes of max_len positions are a buffer, `pe`; a longer input is
-    an error."""
+    """Add the sinusoidal position codes (the buffer `pe`, max_len positions) to a
+    (batch, seq, d_model) input, then dropout."""
 
     def __init__(self, d_model, dropout, max_len=5000, base=10000.0):
         super().__init__()
@@ -1033,36 +896,15 @@ class PositionalEncoding(nn.Module):
 
     def forward(self, x):
         """Add the codes of positions 0 .. seq_len - 1."""
-        long = f"{x.size(1)} positions, more than max_len={self.max_len}: make_model"
-        require(x.size(1) <= self.max_len, f"{long}(max_len=...) sets the limit.")
+        check_length(x, self.max_len)
         return self.dropout(x + self.pe[:, : x.size(1)].to(x.dtype))
 
 
 # %% [markdown]
-# First a few features of the encoding as waves over the first 100 positions: the
-# pairs (4, 5) and (6, 7) are a sine and a cosine each, and the later pair turns
-# more slowly.
-
-
-# %% tags=["hide-input"] jupyter={"source_hidden": true}
-def chart_positional_waves(features=(4, 5, 6, 7), positions=100, d_model=20):
-    """Some features of the positional encoding against the position, as lines."""
-    pe = PositionalEncoding(d_model, 0.0, max_len=positions).pe[0]
-    points = [
-        {"position": pos, "value": float(pe[pos, f]), "feature": f"feature {f}"}
-        for f in features
-        for pos in range(positions)
-    ]
-    title = f"Positional encoding, d_model={d_model}"
-    return chart(points, "line", title, x="position:Q", y="value:Q", color="feature:N")
-
-
-show_example(chart_positional_waves)
-
-
-# %% [markdown]
-# And as a heat map, for 128 positions and 128 features: fast pairs on the left, slow
-# pairs on the right.
+# **What does 10000 set?** The longest wavelength. Below, 128 positions × 128
+# features at base 10,000 (left) and base 100 (right). At 10,000, a third of the
+# features have a wavelength within the 128 positions shown, and from feature 64 on
+# it is 628 positions or more; at 100, two thirds do.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -1078,15 +920,6 @@ def chart_positional_encoding(positions=128, d_model=128, base=10000.0):
     return chart(frame, "rect", title, x=x, y=y, color=colours)
 
 
-# %% [markdown]
-# The same map at base 10,000 (left) and at base 100 (right). At base 10,000 the
-# wavelength of pair $i$ is $2\pi \cdot 10000^{2i/128}$: from feature 64 on it
-# is at least 628 positions, so the right half of the features turns through a fifth
-# of a cycle or less over the 128 positions shown. At base 100 the wavelength at
-# feature 64 is only 63 positions, two whole cycles, and only the slowest pairs turn
-# less than a quarter.
-
-
 # %%
 def example_positional_bases():
     """The positional-encoding heat maps at base 10,000 and at base 100, side by side."""
@@ -1100,76 +933,18 @@ show_example(example_positional_bases)
 
 
 # %% [markdown]
-# What that does to the codes, measured: the cosine similarity of the codes of two
-# positions $k$ apart, averaged over the first 1,000 positions. At base 10,000 it
-# falls gradually as positions move apart, so how far apart two positions are can be
-# read from their codes over hundreds of positions. At base 100 it falls to about
-# zero within a few dozen positions and stays there: beyond that, every other
-# position looks equally unrelated.
-
-
-# %%
-def example_code_similarity(distances=(1, 10, 100, 300, 600), positions=1000):
-    """Mean cosine similarity of the codes of positions k apart, at both bases."""
-    for base in (10000.0, 100.0):
-        pe = PositionalEncoding(512, 0.0, max_len=positions, base=base).pe[0]
-        unit = pe / pe.norm(dim=1, keepdim=True)
-        similar = [(unit[:-k] * unit[k:]).sum(1).mean() for k in distances]
-        pairs = zip(distances, similar, strict=True)
-        shown = ", ".join(f"{k}: {s:+.2f}" for k, s in pairs)
-        print(f"base {base:>7g}, similarity at distance {shown}")
-
-
-show_example(example_code_similarity)
-
-
-# %% [markdown]
-# And the linear-shift property, checked numerically: fit one matrix that maps
-# $PE_{pos}$ to $PE_{pos+k}$ on some positions, and test it on others. The fit needs a
-# range of positions long enough for the slowest pair to turn visibly (otherwise its
-# rotation is lost in rounding noise), hence the small $d_{\text{model}}$ and the 2,000
-# fitting positions.
-
-
-# %%
-def example_relative_position_is_linear(k=7, d_model=8):
-    """Fit PE(pos) -> PE(pos + k) on positions 0..1999; test it on 2500..3499."""
-    pe = PositionalEncoding(d_model, 0.0, max_len=4000).pe[0].double()
-    shift = torch.linalg.lstsq(pe[0:2000], pe[k : 2000 + k]).solution
-    error = (pe[2500:3500] @ shift - pe[2500 + k : 3500 + k]).abs().max()
-    print(f"largest error of the fitted shift by {k} on unseen positions: {error:.1e}")
-
-
-show_example(example_relative_position_is_linear)
-
-
-# %% [markdown]
 # ### Full model
 #
-# `make_model` builds the whole Transformer from its sizes. The defaults are the
-# paper's base model (*§3*, and the "base" row of Table 3): $N = 6$,
-# $d_{\text{model}} = 512$, $d_{ff} = 2048$, $h = 8$, dropout 0.1. Weight matrices start
-# from Glorot/Xavier uniform initialisation
-# ([Glorot and Bengio, 2010](https://proceedings.mlr.press/v9/glorot10a.html)).
-# *Our choice:* this start is kept from the original notebook; the paper does not say
-# how it initialised.
-#
-# Keyword options beyond the original notebook's signature:
-#
-# * `norm_first=True` — pre-norm (default) or the paper's post-norm (`False`).
-# * `share_embeddings=True` — one embedding matrix for source and target; needs a
-#   vocabulary shared by both languages (`src_vocab == tgt_vocab`), as with the paper's
-#   byte-pair vocabularies.
-# * `tie_generator=True` — the generator's projection reuses the target embedding
-#   matrix. The paper does both (§3.4).
-# * `embedding_init` — how the embedding matrices start: `"glorot"`, like every other
-#   matrix, or `"normal"`, drawn from $\mathcal{N}(0, 1/d_{\text{model}})$. The default
-#   is `"normal"` when a matrix is shared and `"glorot"` otherwise; Part 4 shows why.
-# * `max_len` — the longest sequence the positional encoding accepts.
-#
-# `make_model` is where a user first hands the library numbers, so it checks them
-# there, once, and says in one line which setting it cannot build (the folded cell
-# below); the classes above trust what they are given.
+# `make_model` builds the model from its sizes; the defaults are the paper's base
+# model (*§3*, Table 3). *Our choice:* matrices start from Glorot/Xavier uniform
+# initialisation ([Glorot and Bengio,
+# 2010](https://proceedings.mlr.press/v9/glorot10a.html)), as in the 2018 notebook;
+# the paper does not say. Beyond the 2018 signature: `norm_first=False`, the paper's
+# post-norm; `share_embeddings` (one vocabulary) and `tie_generator`, the paper's
+# sharing (§3.4); `embedding_init`, `"glorot"` or `"normal"` ($\mathcal{N}(0,
+# 1/d_{\text{model}})$, the default when a matrix is shared); `max_len`. It refuses
+# sizes it cannot build with a one-line message (the folded cell), as the model does
+# masks it would misread and the positional encoding an input longer than `max_len`.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -1196,16 +971,18 @@ def initialize(model, embedding_init=None):
     """Glorot/Xavier uniform for every matrix (a shared one once); with "normal",
     the embedding matrices from N(0, 1/d_model) instead (None: "normal" when the
     model shares a matrix, else "glorot")."""
-    luts = model.src_embed[0].lut.weight, model.tgt_embed[0].lut.weight
-    shared = luts[0] is luts[1] or model.generator.proj.weight is luts[1]
-    embedding_init = embedding_init or ("normal" if shared else "glorot")
-    for p in model.parameters():
+    src_lut, tgt_lut = model.src_embed[0].lut.weight, model.tgt_embed[0].lut.weight
+    shared = src_lut is tgt_lut or model.generator.proj.weight is tgt_lut
+    if embedding_init is None:
+        embedding_init = "normal" if shared else "glorot"
+    for p in model.parameters():  # lists a shared matrix once
         if p.dim() > 1:
             nn.init.xavier_uniform_(p)
     if embedding_init == "normal":  # about unit size once scaled by sqrt(d_model)
-        embeds = model.src_embed[0], model.tgt_embed[0]
-        for weight in {id(e.lut.weight): e.lut.weight for e in embeds}.values():
-            nn.init.normal_(weight, 0.0, embeds[0].d_model ** -0.5)
+        std = model.src_embed[0].d_model ** -0.5
+        nn.init.normal_(src_lut, 0.0, std)
+        if tgt_lut is not src_lut:
+            nn.init.normal_(tgt_lut, 0.0, std)
     return model
 
 
@@ -1225,10 +1002,8 @@ def make_model(
     embedding_init=None,
     max_len=5000,
 ):
-    """An EncoderDecoder: N layers a stack, width d_model (even, divisible by h),
-    inner width d_ff, h heads. norm_first=False: post-norm; share_embeddings needs
-    src_vocab == tgt_vocab; embedding_init: "glorot", "normal" (N(0, 1/d_model)) or
-    None ("normal" when a matrix is shared); max_len: the positions it covers."""
+    """An EncoderDecoder (N layers a stack, h heads, widths d_model and d_ff); options:
+    norm_first, share_embeddings, tie_generator, embedding_init, max_len (as above)."""
     sizes = (src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout)
     options = dict(share_embeddings=share_embeddings, embedding_init=embedding_init)
     check_sizes(*sizes, max_len=max_len, **options)
@@ -1239,8 +1014,8 @@ def make_model(
     encoder_layer = EncoderLayer(d_model, c(attn), c(ff), dropout, norm_first)
     decoder_layer = DecoderLayer(d_model, c(attn), c(attn), c(ff), dropout, norm_first)
     model = EncoderDecoder(
-        Encoder(encoder_layer, N, norm_first),
-        Decoder(decoder_layer, N, norm_first),
+        Encoder(encoder_layer, N, final_norm=norm_first),
+        Decoder(decoder_layer, N, final_norm=norm_first),
         nn.Sequential(Embeddings(d_model, src_vocab), c(position)),
         nn.Sequential(Embeddings(d_model, tgt_vocab), c(position)),
         Generator(d_model, tgt_vocab),
@@ -1253,12 +1028,11 @@ def make_model(
 
 
 # %% [markdown]
-# The paper trained two sizes. The *base* model has the defaults above. The *big* one
-# (its Table 3) doubles the width, $d_{\text{model}} = 1024$ and $d_{ff} = 4096$, with
-# $h = 16$ heads of the same $d_k = 64$ and dropout 0.3 for English→German; it is
+# The paper's *big* model (Table 3) is
 # `make_model(V, V, N=6, d_model=1024, d_ff=4096, h=16, dropout=0.3)`. The paper
-# reports 65 and 213 million parameters. `count_parameters` counts ours, a shared
-# matrix once.
+# reports 65 and 213 million parameters, rounded, without saying what it counted. The
+# cell counts both of ours with a shared 37,000-token vocabulary, on PyTorch's `meta`
+# device, which allocates nothing (`tests/test_part1_model.py` checks them by hand).
 
 
 # %%
@@ -1267,17 +1041,6 @@ def count_parameters(model):
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-# %% [markdown]
-# The cell below counts both sizes with a shared 37,000-token vocabulary and all
-# three matrices tied, building the models on PyTorch's `meta` device, which records
-# shapes and allocates no memory.
-#
-# > **Note.** By our count the base model has about 63 million parameters, 2 million
-# > fewer than the paper's 65 (its Table 3 rounds, and does not say what it counted);
-# > the big model has 214 million. `tests/test_part1_model.py` checks the counts by hand.
-
-
-# %%
 def example_parameter_count():
     """Parameters of the paper's base and big models (shared vocabulary, tied)."""
     big = dict(N=6, d_model=1024, d_ff=4096, h=16, dropout=0.3)
@@ -1295,13 +1058,9 @@ show_example(example_parameter_count)
 # %% [markdown]
 # ### Inference with an untrained model
 #
-# Before any training, let the model "translate" a short sequence of ids. Decoding is
-# autoregressive: start from a start symbol, run the decoder on the tokens produced
-# so far, take the most likely next token, append it, and repeat. The source is
-# encoded once; only the decoder runs at each step. The start symbol is id 0 here:
-# an untrained model has learned no meaning for any id yet (Part 2's copy task, which
-# trains, fixes its conventions: start symbol 1, padding 0). It produces an
-# arbitrary sequence, usually one token repeated.
+# Decoding: encode the source once, then run the decoder on the tokens so far, append
+# the most likely next token, and repeat. Untrained, the model has learned nothing:
+# the start symbol is just id 0, and the output arbitrary, often one token repeated.
 
 
 # %%
@@ -1329,111 +1088,6 @@ def run_tests(n=10):
 
 
 show_example(run_tests)
-
-
-# %% [markdown]
-# ### The same computation as PyTorch's own Transformer
-#
-# PyTorch ships the two stacks of this Part as
-# [`nn.TransformerEncoder`](https://docs.pytorch.org/docs/stable/generated/torch.nn.TransformerEncoder.html)
-# and
-# [`nn.TransformerDecoder`](https://docs.pytorch.org/docs/stable/generated/torch.nn.TransformerDecoder.html),
-# the two halves of `nn.Transformer`. If our classes are right, theirs and ours compute
-# the same function once they hold the same weights. `nn.Transformer` has no
-# embeddings, no positional encoding and no generator (§3.4, §3.5): it starts and ends
-# with vectors of size $d_{\text{model}}$. So we compare the stacks: both encoders read
-# the same embedded source, and both decoders the same embedded target, each with the
-# memory of its own encoder.
-#
-# The weights are the same ones under other names: `TORCH_NAMES` below is the whole
-# correspondence, and `copy_weights` copies them either way. *Our reading:* the
-# mapping teaches two things. PyTorch keeps an attention layer's $W^Q$, $W^K$ and $W^V$
-# (§3.2.2) in one fused matrix, `in_proj_weight` of shape
-# $(3 d_{\text{model}}, d_{\text{model}})$, which is our first three `linears` stacked,
-# so that one matrix product projects the queries, keys and values at once. Its masks
-# mean the opposite of ours (`True` *hides* a position), so each is one of ours
-# negated with `~`, and it takes the padding per key (`src_key_padding_mask`,
-# `(batch, seq)`) apart from the look-ahead mask (`tgt_mask`, `(seq, seq)`), which we
-# combine into one mask.
-#
-# The layouts must match too. `torch_stacks` builds torch's layers with our
-# `norm_first`, `batch_first=True` and our LayerNorm's $\epsilon = 10^{-6}$ (torch's
-# default is $10^{-5}$); ReLU and $d_{ff} = 2048$ are torch's defaults and ours. A
-# pre-norm stack ends with a LayerNorm (torch's `norm=` argument), a post-norm stack
-# with none; `nn.Transformer` itself always adds those final norms, which is why we
-# build the two stacks. Both sides run in eval mode (no dropout) and in float64, where
-# one rounding error is about $10^{-16}$: a difference of a few $10^{-15}$ is the same
-# sums added in another order, while one weight out of place would differ by many
-# orders of magnitude more (the tests change one weight by $10^{-6}$ and see it).
-# The cell prints, for each layout and each way of copying, the largest absolute
-# difference between the two memories and between the two decoder outputs.
-#
-# > **Note (which of PyTorch's code runs).** The cell below runs with gradients on, so
-# > PyTorch runs the Python code of its layers, which reads like ours. Under
-# > `torch.no_grad()` in eval mode, its encoder layers call one fused kernel each
-# > instead (its *fast path*), and so does its decoder's self-attention;
-# > `tests/test_part1_reference.py` compares on both paths and checks which one ran.
-# > We pass `enable_nested_tensor=False`: with it, the fast path of a post-norm
-# > encoder skips the padded positions and returns zeros there, where ours returns
-# > numbers that no later attention reads.
-
-
-# %%
-TORCH_NAMES = (  # (a part of a weight's name in torch's stacks, the same part in ours)
-    ("in_proj_", "linears.{}."),  # W^Q, W^K, W^V stacked: our linears 0, 1 and 2
-    ("out_proj.", "linears.3."),  # W^O
-    ("multihead_attn.", "src_attn."),  # encoder-decoder attention
-    *((f"linear{i}.", f"feed_forward.w_{i}.") for i in (1, 2)),
-    *((f"norm{i + 1}.", f"sublayer.{i}.norm.") for i in range(3)),
-    *(("norm.weight", "norm.a_2"), ("norm.bias", "norm.b_2")),  # LayerNorm's a, b
-)
-
-
-def copy_weights(ours, theirs, to_torch=True):
-    """Copy our Encoder's (Decoder's) weights into torch's, or torch's into ours."""
-    mine = ours.state_dict()  # a state dict holds views of the weights
-    for name, weight in theirs.state_dict().items():
-        name = functools.reduce(lambda n, pair: n.replace(*pair), TORCH_NAMES, name)
-        parts = [mine[name.format(i)] for i in range(3 if "{}" in name else 1)]
-        for part, block in zip(parts, weight.chunk(len(parts)), strict=True):
-            block.copy_(part) if to_torch else part.copy_(block)  # block: a view
-
-
-# %% tags=["hide-input"] jupyter={"source_hidden": true}
-def torch_stacks(norm_first, N=2, d_model=512, h=8):
-    """PyTorch's encoder and decoder stacks in make_model's layout (float64, eval)."""
-    kw = dict(layer_norm_eps=1e-6, batch_first=True, norm_first=norm_first)
-    norms = [nn.LayerNorm(d_model, eps=1e-6) if norm_first else None for _ in range(2)]
-    layer = nn.TransformerEncoderLayer(d_model, h, **kw)  # ReLU, d_ff=2048: defaults
-    encoder = nn.TransformerEncoder(layer, N, norms[0], enable_nested_tensor=False)
-    layer = nn.TransformerDecoderLayer(d_model, h, **kw)
-    decoder = nn.TransformerDecoder(layer, N, norms[1])
-    return encoder.double().eval(), decoder.double().eval()
-
-
-# %%
-def example_same_as_torch():
-    """Largest |difference| of our stacks' outputs and torch's, on a padded batch."""
-    src = torch.tensor([[1, 2, 3, 4, 0, 0], [5, 6, 7, 8, 9, 10]])  # 0 is padding
-    tgt = torch.tensor([[1, 3, 5, 0], [1, 2, 4, 6]])
-    src_mask, tgt_pad = padding_mask(src, 0), padding_mask(tgt, 0)  # True: may attend
-    hidden = dict(tgt_mask=~subsequent_mask(4)[0], tgt_key_padding_mask=~tgt_pad[:, 0])
-    hidden["memory_key_padding_mask"] = src_hidden = ~src_mask[:, 0]  # True: hidden
-    for layout, norm_first in (("pre-norm", True), ("post-norm", False)):
-        model = make_model(11, 11, N=2, norm_first=norm_first).double().eval()
-        for way, to_torch in (("ours -> torch", True), ("torch -> ours", False)):
-            encoder, decoder = torch_stacks(norm_first)
-            copy_weights(model.encoder, encoder, to_torch)
-            copy_weights(model.decoder, decoder, to_torch)
-            memory = model.encode(src, src_mask)  # embeds src, then our encoder
-            out = model.decode(memory, src_mask, tgt, tgt_pad & subsequent_mask(4))
-            memory_t = encoder(model.src_embed(src), src_key_padding_mask=src_hidden)
-            out_t = decoder(model.tgt_embed(tgt), memory_t, **hidden)
-            gap = (memory - memory_t).abs().max(), (out - out_t).abs().max()
-            print(f"{layout}, {way}: memory {gap[0]:.0e}, decoder output {gap[1]:.0e}")
-
-
-show_example(example_same_as_torch)
 
 
 # %% [markdown]
@@ -4361,7 +4015,78 @@ class DummyOptimizer(DummyScheduler):
 # %% [markdown]
 # ### Appendix A: the same computation as PyTorch's own Transformer
 #
-# (placeholder: Part 1 moves its comparison with `torch.nn.Transformer` here)
+# PyTorch's `nn.TransformerEncoder` and `nn.TransformerDecoder`, the halves of
+# [`nn.Transformer`](https://docs.pytorch.org/docs/stable/generated/torch.nn.Transformer.html),
+# are Part 1's two stacks. Given the same weights, theirs and ours should compute the
+# same function. `TORCH_NAMES` maps the weights' names; PyTorch stacks $W^Q$, $W^K$
+# and $W^V$ in one matrix, `in_proj_weight`. Its masks mean the opposite of ours
+# (`True` hides), so each is one of ours negated with `~`, and it takes the padding
+# per key, `(batch, seq)`, apart from the look-ahead mask. `torch_stacks` (folded)
+# builds its stacks in our layout. The cell copies the weights each way and prints
+# the largest differences, in float64, where one rounding is about $10^{-16}$;
+# `tests/test_part1_reference.py` shows that one weight moved by $10^{-6}$ breaks the
+# equality, and also compares on PyTorch's fused fast path.
+
+
+# %%
+TORCH_NAMES = (  # (a part of a weight's name in torch's stacks, the same part in ours)
+    ("in_proj_", "linears.{}."),  # W^Q, W^K, W^V stacked: our linears 0, 1 and 2
+    ("out_proj.", "linears.3."),  # W^O
+    ("multihead_attn.", "src_attn."),  # encoder-decoder attention
+    *((f"linear{i}.", f"feed_forward.w_{i}.") for i in (1, 2)),
+    *((f"norm{i + 1}.", f"sublayer.{i}.norm.") for i in range(3)),
+    *(("norm.weight", "norm.a_2"), ("norm.bias", "norm.b_2")),  # LayerNorm's a, b
+)
+
+
+def copy_weights(ours, theirs, to_torch=True):
+    """Copy our Encoder's (Decoder's) weights into torch's, or torch's into ours."""
+    mine = ours.state_dict()  # a state dict holds views of the weights
+    for name, weight in theirs.state_dict().items():
+        name = functools.reduce(lambda n, pair: n.replace(*pair), TORCH_NAMES, name)
+        parts = [mine[name.format(i)] for i in range(3 if "{}" in name else 1)]
+        for part, block in zip(parts, weight.chunk(len(parts)), strict=True):
+            block.copy_(part) if to_torch else part.copy_(block)  # block: a view
+
+
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+def torch_stacks(norm_first, N=2, d_model=512, h=8):
+    """PyTorch's encoder and decoder stacks in make_model's layout (float64, eval).
+    enable_nested_tensor=False: with it, a post-norm encoder's fast path returns
+    zeros at padded positions, where ours returns numbers no attention reads."""
+    kw = dict(layer_norm_eps=1e-6, batch_first=True, norm_first=norm_first)
+    norms = [nn.LayerNorm(d_model, eps=1e-6) if norm_first else None for _ in range(2)]
+    layer = nn.TransformerEncoderLayer(d_model, h, **kw)  # ReLU, d_ff=2048: defaults
+    encoder = nn.TransformerEncoder(layer, N, norms[0], enable_nested_tensor=False)
+    layer = nn.TransformerDecoderLayer(d_model, h, **kw)
+    decoder = nn.TransformerDecoder(layer, N, norms[1])
+    return encoder.double().eval(), decoder.double().eval()
+
+
+# %%
+def example_same_as_torch():
+    """Largest |difference| of our stacks' outputs and torch's, on a padded batch."""
+    src = torch.tensor([[1, 2, 3, 4, 0, 0], [5, 6, 7, 8, 9, 10]])  # 0 is padding
+    tgt = torch.tensor([[1, 3, 5, 0], [1, 2, 4, 6]])
+    src_mask, tgt_pad = padding_mask(src, 0), padding_mask(tgt, 0)  # True: may attend
+    hidden = dict(tgt_mask=~subsequent_mask(4)[0], tgt_key_padding_mask=~tgt_pad[:, 0])
+    hidden["memory_key_padding_mask"] = src_hidden = ~src_mask[:, 0]  # True: hidden
+    for layout, norm_first in (("pre-norm", True), ("post-norm", False)):
+        model = make_model(11, 11, N=2, norm_first=norm_first).double().eval()
+        for way, to_torch in (("ours -> torch", True), ("torch -> ours", False)):
+            encoder, decoder = torch_stacks(norm_first)
+            copy_weights(model.encoder, encoder, to_torch)
+            copy_weights(model.decoder, decoder, to_torch)
+            memory = model.encode(src, src_mask)  # embeds src, then our encoder
+            out = model.decode(memory, src_mask, tgt, tgt_pad & subsequent_mask(4))
+            memory_t = encoder(model.src_embed(src), src_key_padding_mask=src_hidden)
+            out_t = decoder(model.tgt_embed(tgt), memory_t, **hidden)
+            gap = (memory - memory_t).abs().max(), (out - out_t).abs().max()
+            print(f"{layout}, {way}: memory {gap[0]:.0e}, decoder output {gap[1]:.0e}")
+
+
+show_example(example_same_as_torch)
+
 
 # %% [markdown]
 # ### Appendix B: (placeholder: Part 2's derivations move here)

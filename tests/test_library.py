@@ -120,6 +120,39 @@ def test_a_mask_the_model_would_misread_is_refused_in_one_line(masks, wrong, say
     assert "PyTorch" in message  # the opposite convention is named
 
 
+@pytest.mark.parametrize("wrong", [pytorch_convention, additive])
+def test_the_fix_the_message_names_turns_such_masks_into_the_books(masks, wrong):
+    """The message's mask == 0 gives back the book's masks, and the same output."""
+    model = small_model()
+    src_mask, tgt_mask = wrong(masks)
+    out = model(masks.src, masks.tgt, src_mask == 0, tgt_mask == 0)
+    assert torch.equal(out, model(masks.src, masks.tgt, masks.src_mask, masks.tgt_mask))
+
+
+def test_a_target_row_that_starts_with_padding_is_refused_with_the_true_cause():
+    """Left padding leaves the first query of the row no key (padding & look-ahead):
+    the message names it and the fix, not an inverted mask alone; the same row
+    padded at the end runs."""
+    model = small_model()
+    src = torch.tensor([[3, 4, 5], [6, 7, 8]])
+    src_mask = tat.padding_mask(src, PAD)
+    for tgt, fails in (
+        ([[PAD, 1, 3], [1, 2, 4]], True),
+        ([[1, 3, PAD], [1, 2, 4]], False),
+    ):
+        tgt = torch.tensor(tgt)
+        tgt_mask = tat.padding_mask(tgt, PAD) & tat.subsequent_mask(3)
+        if not fails:
+            model(src, tgt, src_mask, tgt_mask)
+            continue
+        with pytest.raises(ValueError) as caught:
+            model(src, tgt, src_mask, tgt_mask)
+        message = str(caught.value)
+        assert "tgt_mask leaves a query that sees no key" in message
+        assert "a target row must not start with padding: pad at the end" in message
+        assert "mask == 0 turns a PyTorch or additive mask into ours" in message
+
+
 @pytest.mark.parametrize("dtype", [torch.bool, torch.float, torch.long])
 def test_masks_of_the_books_convention_in_any_dtype_pass(masks, dtype):
     """The 2018/2022 notebook's float and integer masks keep working."""
