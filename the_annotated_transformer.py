@@ -3981,7 +3981,7 @@ show_example(example_attention_maps, translator)
 # | `yield_tokens`, `load_vocab`, `create_dataloaders` | `Vocab.build`, `prepare_data`, `TokenBudgetBatchSampler` |
 # | `train_worker`, `train_distributed_model`, `train_model`, `load_trained_model` | `train_translator`; `python -m workshop train` for processes and checkpoints |
 # | `check_outputs(valid_dataloader, model, ...)`, `run_model_example` | `check_outputs(translator, pairs, n_examples)`, `example_multi30k` |
-# | `example_mask`, `example_positional`, `example_learning_schedule`, `example_label_smoothing`, `penalization_visualization`, `loss` | `chart_subsequent_mask`, `chart_positional_waves`, `chart_learning_rate`, `chart_label_smoothing`, `chart_penalization`, `smoothed_loss_for_confidence` |
+# | `example_mask`, `example_positional`, `example_learning_schedule`, `example_label_smoothing`, `penalization_visualization`, `loss` | `chart_subsequent_mask`, `example_positional_bases`, `chart_learning_rate`, `chart_label_smoothing`, `chart_penalization`, `smoothed_loss_for_confidence` |
 # | `mtx2df`, `attn_map`, `get_encoder`, `get_decoder_self`, `get_decoder_src`, `visualize_layer` | `grid`, `attention_maps`, `attention_table`, `chart_attention` |
 # | `viz_encoder_self`, `viz_decoder_self`, `viz_decoder_src` | `example_attention_heads`, `example_attention_maps` |
 # | `LabelSmoothing.true_dist`, set in `forward` | a property of the last targets |
