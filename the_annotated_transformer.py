@@ -1471,19 +1471,21 @@ def check_token_ids(pad, **tensors):
         require(ids is None or ok, message, TypeError)
         rows = ids is None or ids.size(0) == tensors["src"].size(0)
         require(rows, "Batch: src and tgt need the same number of rows (pairs).")
-        if name == "tgt" and ids is not None:
+        if ids is None:
+            continue
+        early = (ids[:, :-1] == pad) & (ids[:, 1:] != pad)  # pad before a token
+        starts, early = torch.stack([(ids[:, 0] == pad).any(), early.any()]).tolist()
+        if name == "tgt":
             short = "Batch: tgt needs at least 2 tokens per row (<s> and a word)."
             require(ids.size(1) >= 2, short)
             left = f"Batch: a tgt row starts with pad={pad}, so its first position"
             hint = f"if {pad} is a real token, pass Batch(src, tgt, pad=...)"
-            fix = f"would see no word: pad at the end of each row; {hint}."
-            require(not bool((ids[:, 0] == pad).any()), f"{left} {fix}")
-        if ids is not None and bool(((ids[:, :-1] == pad) & (ids[:, 1:] != pad)).any()):
-            inside = (
-                f"Batch: pad={pad} comes before a real token in {name}; if {pad} is"
-            )
+            fix = f"{left} would see no word: pad at the end of each row; {hint}."
+            require(not starts, fix)
+        if early:
+            inside = f"Batch: pad={pad} comes before a real token in {name}; if"
             hint = "a token, pass Batch(src, tgt, pad=...) (2 is Multi30k's <blank>)."
-            warnings.warn(f"{inside} {hint}", stacklevel=3)
+            warnings.warn(f"{inside} {pad} is {hint}", stacklevel=3)
 
 
 # %%
