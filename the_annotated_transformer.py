@@ -1535,8 +1535,8 @@ def padded_example_batch():
 
 
 # %% [markdown]
-# The picture of the shift, for the first sentence: each position of the decoder's
-# input (top) must predict the token below it, the next token of the target.
+# The shift, drawn for sentence 1: each position of `tgt` must predict the token
+# below it.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -2316,7 +2316,7 @@ show_example(example_layouts)
 # (an argument of an example function, or a small subclass) and prints one
 # measurement with the bug, then on the book's path.
 #
-# | Bug | Symptom | Where users met it |
+# | Bug | Symptom | Met in |
 # |---|---|---|
 # | a decoder mask that shows the future | training loss near 0, decoding a guess | [karpathy/nanoGPT#331](https://github.com/karpathy/nanoGPT/issues/331) |
 # | the Noam rate without warm-up | the loss jumps, then stalls | — |
@@ -2444,9 +2444,9 @@ def step_ratio(bug, k=4):
 
 
 # %% [markdown]
-# `SmoothingOnPadding` forgets to zero the padding column of $q$, which then sums
-# to $Z = 1 + \epsilon_{ls}/(V-2)$: the lowest loss is $Z \ln Z$ per token, not 0,
-# at a model that predicts padding everywhere a little (`loss_floor`).
+# `SmoothingOnPadding` leaves mass on the padding column of $q$, which then sums to
+# $Z = 1 + \epsilon_{ls}/(V-2)$: the lowest loss is $Z \ln Z$ per token, not 0, at
+# a model that gives padding some probability everywhere (`loss_floor`).
 
 
 # %%
