@@ -4,7 +4,7 @@ The page trains the book's model on a task of its own (reversing ten digits), re
 attention, saves and reloads it. Its Python block is run as it stands, in an empty
 folder, with only the repository on the import path, and its output must equal the
 text block below it, line for line: held-out sequences reversed exactly, the source
-positions the last decoder layer reads, and the reloaded model decoding the same.
+positions the first decoder layer reads, and the reloaded model decoding the same.
 """
 
 import os
