@@ -4009,15 +4009,10 @@ show_example(example_first_loss_prediction)
 # %% [markdown]
 # ## Running the book as a script
 #
-# `python the_annotated_transformer.py` trains the copy task of Part 2 and prints
-# its copies; it exits with status 0 when every copy is exact. The command line for
-# everything else (Multi30k downloads, training runs with checkpoints, evaluation,
-# figures) is the `workshop` package beside this file: `python -m workshop --help`.
-# The book never imports it; it imports the book.
-#
-# As a library, the module's public names are in `__all__`, and its docstring indexes
-# them (`help(the_annotated_transformer)`; the folded cell below). The examples and
-# the chart helpers are not among them.
+# `python the_annotated_transformer.py` trains Part 2's copy task and exits with
+# status 0 when every copy is exact. Long runs, checkpoints and evaluation are the
+# command line's (`python -m workshop --help`), which imports the book. As a library,
+# the public names are `__all__`, indexed by `help(the_annotated_transformer)`.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
