@@ -3317,29 +3317,28 @@ translator = show_example(lambda d: d and notebook_run().translator, data_dir)
 #
 # Part 3's word vocabularies cost twice: a word seen fewer than twice in training
 # becomes `<unk>`, which the model can neither read nor write, and two vocabularies
-# need separate $V \times d_{\text{model}}$ matrices for the source embedding, the
-# target embedding and the generator.
+# need separate $V \times d_{\text{model}}$ matrices for the two embeddings and the
+# generator.
 #
 # *Byte-pair encoding* (BPE; [Sennrich, Haddow and Birch,
 # 2016](https://arxiv.org/abs/1508.07909)) answers both. Starting from single
 # symbols, it merges the most frequent pair of neighbouring symbols in the training
 # text (within words) into a new symbol, again and again, until the vocabulary has
 # the size asked for; a new text is encoded by replaying the merges in order.
-# Frequent words end as one token, rare ones as a few pieces. Our symbols are the 256
-# byte values of UTF-8 (*byte-level* BPE, as in GPT-2), so any text is encoded
-# without `<unk>` and decoded back exactly (after Unicode NFC normalisation).
+# Frequent words end as one token, rare ones as pieces. Our symbols are UTF-8's 256
+# byte values (*byte-level* BPE, as in GPT-2), so any text is encoded without `<unk>`
+# and decoded back exactly (after Unicode NFC normalisation).
 #
-# Learned from both languages at once (*joint* BPE), one vocabulary gives an id the
-# same string on both sides, so one matrix can serve all three uses ([Press and Wolf,
+# Learned from both languages at once (*joint* BPE), an id means the same string on
+# both sides, so one matrix can serve all three uses ([Press and Wolf,
 # 2017](https://arxiv.org/abs/1608.05859)). The paper does both: about 37,000 shared
-# tokens for English–German (§5.1) and one matrix (§3.4).
+# tokens for English–German (§5.1), one matrix (§3.4).
 #
 # > **Note (our choices).** The folded `learn_bpe` hands the learning to Hugging
 # > Face's [`tokenizers`](https://huggingface.co/docs/tokenizers) (its `BpeTrainer`),
-# > on the training split only, with 8,000 tokens for Multi30k's 29,000 pairs (the
-# > paper's 37,000 came from 4.5 million). The four specials keep ids 0–3.
-# > `SubwordVocab` wraps the result: `encode`, `decode`, `pieces` (how a text was
-# > cut) and the calls of a `Vocab`.
+# > on the training split, with 8,000 tokens for Multi30k's 29,000 pairs. The
+# > specials keep ids 0–3. `SubwordVocab` wraps the result: `encode`, `decode`,
+# > `pieces` (how a text was cut) and a `Vocab`'s calls.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -3399,10 +3398,9 @@ class SubwordVocab(TorchtextCalls):
 
 
 # %% [markdown]
-# `example_subwords` learns the vocabulary, prints sentences cut into pieces (a space
-# belongs to the piece after it; the bytes of a character never seen in training
-# print as "�"), checks that decoding gives each sentence back, and counts tokens per
-# sentence beside Part 3's spaCy words.
+# `example_subwords` prints sentences cut into pieces (a space belongs to the piece
+# after it; an unseen character's bytes print as "�"), checks that decoding gives
+# each back, and counts tokens per sentence beside Part 3's spaCy words.
 
 
 # %%
@@ -3427,11 +3425,11 @@ show_example(example_subwords, data_dir)
 
 
 # %% [markdown]
-# With one vocabulary, `make_model(V, V, share_embeddings=True, tie_generator=True)`
-# points the three matrices at one tensor: $2 \times V \times d_{\text{model}}$ fewer
-# parameters (the generator keeps its bias). The cell counts them at the sizes of
-# Part 5's `multi30k` run: $d_{\text{model}} = 256$ (the quick profile's is 128) and
-# the same $d_{ff} = 512$, so its feed-forward layer widens by 2, not by §3.3's 4.
+# `make_model(V, V, share_embeddings=True, tie_generator=True)` points the three
+# matrices at one tensor: $2 \times V \times d_{\text{model}}$ fewer parameters. The
+# cell counts them at the sizes of Part 5's `multi30k` run: $d_{\text{model}} = 256$
+# (the quick profile's is 128) and the same $d_{ff} = 512$, so its feed-forward layer
+# widens by 2, not by §3.3's 4.
 
 
 # %%
@@ -3460,10 +3458,9 @@ show_example(example_shared_embeddings)
 # with spread $\sqrt{2/(\text{rows} + \text{columns})}$, tiny for 8,000 rows, so even
 # after the $\sqrt{d_{\text{model}}}$ scale of §3.4 the embeddings start at a third of
 # the size of the positional codes added to them. Drawn from
-# $\mathcal{N}(0, 1/d_{\text{model}})$, each scaled embedding starts at unit size;
-# `make_model` does that once a matrix is tied (`embedding_init="normal"`). In our
-# `multi30k` runs (docs/results.md), the Glorot start reached 22.5 validation BLEU
-# after 8 epochs, the normal start 38.0.
+# $\mathcal{N}(0, 1/d_{\text{model}})$, they start at unit size; `make_model` does
+# that once a matrix is tied. In our `multi30k` runs (docs/results.md), the Glorot
+# start reached 22.5 validation BLEU after 8 epochs, this one 38.0.
 
 
 # %%
@@ -3489,16 +3486,14 @@ show_example(example_embedding_start)
 # look-ahead mask keeps from changing: $n$ tokens cost $n(n+1)/2$ position
 # evaluations. A *key/value cache* feeds only the newest position through:
 #
-# * in **self-attention**, its key and value join those kept from earlier steps, and
-#   its query attends over all of them;
-# * in **source attention**, the keys and values of the encoder's memory are computed
-#   at the first step and reused;
+# * in **self-attention**, its key and value join those of earlier steps, and its
+#   query attends over all of them;
+# * in **source attention**, the memory's keys and values are computed once;
 # * its positional encoding is taken at its own position.
 #
 # Norms and feed-forward layers work position by position already. `cached_layer`
-# runs one `DecoderLayer` this way, with the layer's own sub-layers: attention's
-# `heads` and `attend`, the two halves of its `forward`, take the cached keys and
-# values in between.
+# runs one `DecoderLayer` this way, with the layer's own sub-layers; attention's
+# `heads` and `attend`, the two halves of its `forward`, let it insert the cache.
 
 
 # %%
@@ -3582,6 +3577,7 @@ class KVCache(CacheBuffers):
         return model.generator(model.decoder.norm(x)[:, -1])
 
 
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def cached_greedy_decode(model, src, src_mask, max_len, start_symbol, **options):
     """greedy_decode with a fresh key/value cache."""
     options["cache"] = KVCache(model)
@@ -3589,9 +3585,8 @@ def cached_greedy_decode(model, src, src_mask, max_len, start_symbol, **options)
 
 
 # %% [markdown]
-# The picture follows a `KVCache` with room for two positions through eight steps: a
-# row per step, a column per buffer slot. Each step computes one position and reads
-# the earlier ones; the buffer doubles at steps 3 and 5.
+# A `KVCache` with room for two positions, through eight steps: each computes one
+# position and reads the earlier ones; the buffer doubles at steps 3 and 5.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -3635,8 +3630,7 @@ show_example(chart_kv_cache)
 
 # %% [markdown]
 # With the model trained in Part 3: validation sentences translated without and with
-# the cache, the identical translations counted and both timed (`make bench` times
-# the base model's sizes).
+# the cache, compared and timed (`make bench` times the base model's sizes).
 
 
 # %%
@@ -3673,16 +3667,15 @@ show_example(example_cache, translator, data_dir)
 # $$\mathrm{score}(Y) = \frac{\log P(Y \mid X)}{lp(Y)}, \qquad
 #   lp(Y) = \left(\frac{5 + |Y|}{6}\right)^{\alpha}.$$
 #
-# The paper (§6.1) used $k = 4$, $\alpha = 0.6$ and a maximum length of the input's
-# plus 50: our defaults.
+# Our defaults are the paper's (§6.1): $k = 4$, $\alpha = 0.6$, at most the input's
+# length plus 50.
 #
 # `beam_search` searches a batch: the $k$ hypotheses of $B$ sentences are $B \cdot k$
-# rows of one decoder batch, and the cache is reordered after each step so that each
+# rows of one decoder batch, and after each step the cache is reordered so that each
 # row keeps its hypothesis's cache. `next_beams` walks a sentence's best $2k$
 # extensions (at most $k$ end, so $k$ go on); an ending counts as finished only if it
-# ranks among the best $k$. With `beam_size=1` it makes greedy decoding's choices,
-# and a sentence in a padded batch finds what it finds alone (tested). `steps=[]`
-# records each step's beam.
+# ranks among the best $k$. With `beam_size=1` it makes greedy decoding's choices
+# (tested). `steps=[]` records each step's beam.
 
 
 # %%
@@ -3785,14 +3778,14 @@ show_example(example_beam_search, translator, data_dir)
 
 
 # %% [markdown]
-# The tree is the beam of one validation sentence: a column per step, a node per
-# hypothesis kept (best on top, labelled with its last token, coloured by its
-# $\log P$), an edge to the hypothesis it extends, and the finished ones below, with
-# their scores. The cell prints what $\alpha = 0.6$ and $\alpha = 2.0$ pick.
+# The tree is the beam of one validation sentence: a node per hypothesis kept at each
+# step (best on top, labelled with its last token, coloured by its $\log P$), an edge
+# to the hypothesis it extends, and the finished ones below with their scores. The
+# cell prints what $\alpha = 0.6$ and $\alpha = 2.0$ pick.
 #
 # > **Note (our reading).** $\alpha$ does not change this search: what is kept
-# > depends on $\log P$ alone, and the search stops at $k$ finished hypotheses, so
-# > both values find the same ones (tested). $\alpha$ only ranks them.
+# > depends on $\log P$ alone, and it stops at $k$ finished hypotheses, so both values
+# > find the same ones (tested); $\alpha$ only ranks them.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -3876,14 +3869,11 @@ show_example(example_beam_tree, translator, data_dir)
 # $\bar\theta = \frac{1}{K} \sum_{k=1}^{K} \theta^{(k)}$.
 #
 # *Our reading:* late in training the learning rate is small but not zero and each
-# step follows a noisy batch, so the weights wander around a low-loss region, and
-# their mean sits nearer its middle ([Polyak and Juditsky,
-# 1992](https://doi.org/10.1137/0330046); [stochastic weight
-# averaging](https://arxiv.org/abs/1803.05407)). Only checkpoints of one run: two
-# separately trained networks order their hidden units differently.
-#
-# `average` takes modules or state dicts; it averages floating-point tensors in
-# float64 and copies integer buffers from the first.
+# batch is noisy, so the weights wander around a low-loss region, and their mean sits
+# nearer its middle ([Polyak and Juditsky, 1992](https://doi.org/10.1137/0330046);
+# [stochastic weight averaging](https://arxiv.org/abs/1803.05407)). This holds for
+# checkpoints of one run only: separately trained networks order their hidden units
+# differently. `average` takes modules or state dicts and averages in float64.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
