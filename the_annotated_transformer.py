@@ -3830,11 +3830,12 @@ def chart_beam_tree(nodes, words):
         for n in nodes
         if n["parent"] is not None
     ]
+    x = alt.X("step:Q", axis=alt.Axis(title="step", tickMinStep=1))
     y = alt.Y("row:Q", scale=alt.Scale(reverse=True), axis=None)
     lines = alt.Chart(pd.DataFrame(edges)).mark_rule(color="#bbb")
-    lines = lines.encode(x="step:Q", y=y, x2="to_step:Q", y2="to_row:Q")
+    lines = lines.encode(x=x, y=y, x2="to_step:Q", y2="to_row:Q")
     title = "A beam, step by step"
-    dots = chart(frame, "circle", title, 600, 260, x="step:Q", y=y, color="log P:Q")
+    dots = chart(frame, "circle", title, 600, 260, x=x, y=y, color="log P:Q")
     labels = dots.mark_text(dy=-9).encode(text="label:N", color=alt.value("black"))
     return lines + dots + labels
 
