@@ -3308,8 +3308,8 @@ translator = show_example(lambda d: d and notebook_run().translator, data_dir)
 # both languages and one matrix for the embeddings and the output (§3.4, §5.1), beam
 # search and checkpoint averaging (§6.1). We add a key/value cache for fast decoding.
 # The 2018/2022 notebook left subwords and beam search to other libraries
-# (subword-nmt, OpenNMT-py) and gave snippets for the other two that do not run; here
-# each one runs and is tested.
+# (subword-nmt, OpenNMT-py) and gave snippets for the other two that do not run. Here
+# each one runs and is tested; Hugging Face's `tokenizers` learns the subwords.
 
 
 # %% [markdown]
@@ -3322,9 +3322,9 @@ translator = show_example(lambda d: d and notebook_run().translator, data_dir)
 #
 # *Byte-pair encoding* (BPE; [Sennrich, Haddow and Birch,
 # 2016](https://arxiv.org/abs/1508.07909)) answers both. Starting from single
-# symbols, it merges the most frequent pair of neighbouring symbols in the training
-# text (within words) into a new symbol, again and again, until the vocabulary has
-# the size asked for; a new text is encoded by replaying the merges in order.
+# symbols, it keeps merging the most frequent pair of neighbouring symbols in the
+# training text (within words) into a new symbol, until the vocabulary has the size
+# asked for; a new text is encoded by replaying the merges in order.
 # Frequent words end as one token, rare ones as pieces. Our symbols are UTF-8's 256
 # byte values (*byte-level* BPE, as in GPT-2), so any text is encoded without `<unk>`
 # and decoded back exactly (after Unicode NFC normalisation).
@@ -3338,7 +3338,7 @@ translator = show_example(lambda d: d and notebook_run().translator, data_dir)
 # > Face's [`tokenizers`](https://huggingface.co/docs/tokenizers) (its `BpeTrainer`),
 # > on the training split, with 8,000 tokens for Multi30k's 29,000 pairs. The
 # > specials keep ids 0–3. `SubwordVocab` wraps the result: `encode`, `decode`,
-# > `pieces` (how a text was cut) and a `Vocab`'s calls.
+# > `pieces` and a `Vocab`'s calls.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
