@@ -3527,7 +3527,8 @@ def cached_layer(layer, x, memory, src_mask, cache, start):
 # `KVCache.step` is `decode_step` for the positions not held yet. The folded base
 # class keeps the storage: per layer, buffers that double when a sentence outgrows
 # them, and `reorder(rows)`, which keeps (and repeats) chosen rows for beam search.
-# Pass a fresh one to `greedy_decode(..., cache=KVCache(model))`.
+# Pass a fresh one to `greedy_decode(..., cache=KVCache(model))`, as the folded
+# `cached_greedy_decode` does.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
