@@ -2828,78 +2828,54 @@ def example_multi30k(translator, data_dir):
 
 show_example(example_multi30k, translator, data_dir)
 
+# %%
+# TEMP (p4): a stand-in for p3's visible cells `data_dir = ...` and
+# `translator = ...`; revert this commit when merging p3.
+data_dir = show_example(notebook_data_dir)
+translator = show_example(lambda d: d and notebook_run().translator, data_dir)
+
+
 # %% [markdown]
 # ## Part 4: Additional components
 #
-# The paper's results rest on a few more pieces than Parts 1–3 show. The 2018/2022
-# notebook only described them in prose (its checkpoint-averaging snippet crashed, its
-# shared-embedding snippet could not run, and it called beam search too complicated
-# to cover, pointing to [OpenNMT](https://github.com/OpenNMT/OpenNMT-py) instead).
-# Here each one is implemented, explained, run and tested.
-#
+# The paper's scores rest on more than Parts 1–3 show: one subword vocabulary for
+# both languages and one matrix for the embeddings and the output (§3.4, §5.1), beam
+# search and checkpoint averaging (§6.1). We add a key/value cache for fast decoding.
+# The 2018/2022 notebook left subwords and beam search to other libraries
+# (subword-nmt, OpenNMT-py) and gave snippets for the other two that do not run. Here
+# each one runs and is tested; Hugging Face's `tokenizers` learns the subwords.
+
+
+# %% [markdown]
 # ### Subword vocabularies shared by both languages
 #
-# Part 3 gave every whole word an id, and that has two costs. A word seen fewer than
-# twice in training becomes `<unk>`, so the model can neither read nor write it: names,
-# numbers, and the rare compounds German makes so freely. And German and English get
-# a vocabulary each, so the model holds three big matrices of
-# $\text{vocabulary} \times d_{\text{model}}$ numbers: the source embedding, the target
-# embedding and the generator's output projection. The last two index the same
-# English vocabulary, so they can share one matrix even then (`tie_generator=True`);
-# the source embedding, over another vocabulary, cannot.
+# Part 3's word vocabularies cost twice: a word seen fewer than twice in training
+# becomes `<unk>`, which the model can neither read nor write, and two vocabularies
+# need separate $V \times d_{\text{model}}$ matrices for the two embeddings and the
+# generator.
 #
-# The paper avoids both with *byte-pair encoding* (BPE), which
-# [Sennrich, Haddow and Birch (2016)](https://arxiv.org/abs/1508.07909) carried over
-# from data compression to translation. Learning a BPE vocabulary starts from single
-# symbols and repeats one step: count every pair of neighbouring symbols in the
-# training text (inside words), and merge the most frequent pair into one new symbol.
-# Each merge adds a token; learning stops when the vocabulary reaches the size asked
-# for. Frequent words end up as one token, rarer words as a few pieces, and any word
-# at all can still be spelled out of smaller pieces, down to single symbols. To encode
-# a new sentence, the learned merges are replayed in the order they were learned.
+# *Byte-pair encoding* (BPE; [Sennrich, Haddow and Birch,
+# 2016](https://arxiv.org/abs/1508.07909)) answers both. Starting from single
+# symbols, it keeps merging the most frequent pair of neighbouring symbols in the
+# training text (within words) into a new symbol, until the vocabulary has the size
+# asked for; a new text is encoded by replaying the merges in order.
+# Frequent words end as one token, rare ones as pieces. Our symbols are UTF-8's 256
+# byte values (*byte-level* BPE, as in GPT-2), so any text is encoded without `<unk>`
+# and decoded back exactly (after Unicode NFC normalisation).
 #
-# Our symbols are the 256 byte values of UTF-8 text rather than characters
-# (*byte-level* BPE, as GPT-2 uses), so every string can be encoded: a character
-# never seen in Multi30k's training text, such as a Greek "Ω" or an emoji, falls back
-# to its bytes. The vocabulary is *open*: the encoder never needs `<unk>`. Decoding
-# gives back exactly the text that was encoded, spaces and punctuation included,
-# after one normalisation applied before encoding: Unicode NFC, which writes an "ä"
-# typed as "a" plus a combining diaeresis as the single character "ä". So no
-# detokenisation rules are needed.
+# Learned from both languages at once (*joint* BPE), an id means the same string on
+# both sides, so one matrix can serve all three uses ([Press and Wolf,
+# 2017](https://arxiv.org/abs/1608.05859)). The paper does both: about 37,000 shared
+# tokens for English–German (§5.1), one matrix (§3.4).
 #
-# Learned from German and English text together, one vocabulary serves both languages
-# (Sennrich et al.'s *joint BPE*): they share an alphabet and many names, numbers and
-# word pieces. With one vocabulary an id stands for the same string on both sides, so
-# one matrix can hold the source embeddings, the target embeddings and the generator's
-# projection. [Press and Wolf (2017)](https://arxiv.org/abs/1608.05859) showed that a
-# language model whose output projection reuses its input embedding does as well or
-# better, and that tying all three matrices of a translation model with a joint BPE
-# vocabulary shrinks it to less than half its size without hurting it. The paper does
-# both: a shared source–target vocabulary of about 37,000 BPE tokens for
-# English–German (§5.1), and one weight matrix for the two embeddings and the
-# projection before the softmax (§3.4).
-# Tying saves $2 \times V \times d_{\text{model}}$ parameters for a vocabulary of $V$
-# tokens: for the base model $2 \times 37{,}000 \times 512 \approx 37.9$ million, more
-# than a third of the 101 million of the untied model.
-#
-# > **Note (our choices).** We learn the merges with Hugging Face's
-# > [`tokenizers`](https://huggingface.co/docs/tokenizers) library, from the training
-# > split only (as for the word vocabularies), and default to 8,000 tokens, a size that
-# > suits Multi30k's 29,000 sentence pairs (the paper's 37,000 were learned from about
-# > 4.5 million WMT pairs). The four specials keep ids 0–3, so `BOS`, `EOS`, `PAD` and
-# > `UNK` mean the same with either vocabulary. Words stay the default; a run chooses
-# > subwords with `train --vocab bpe --share-embeddings` on the command line (the
-# > workshop's `RunConfig(vocab="bpe", share_embeddings=True, tie_generator=True)`).
-#
-# `SubwordVocab` wraps the learned tokenizer. It works on text, not on word lists:
-# `encode(text)` gives ids, `decode(ids)` gives text back, and `pieces(text)` shows
-# how a sentence was cut. It answers the same calls as a `Vocab` (`len`,
-# `lookup_tokens`, `get_itos`, ...; its token strings write each byte as one printable
-# symbol, such as `Ġ` for a space), and `detokenize` turns the token strings a
-# `Translator` decodes back into plain text.
+# > **Note (our choices).** The folded `learn_bpe` hands the learning to Hugging
+# > Face's [`tokenizers`](https://huggingface.co/docs/tokenizers) (its `BpeTrainer`),
+# > on the training split, with 8,000 tokens for Multi30k's 29,000 pairs. The
+# > specials keep ids 0–3. `SubwordVocab` wraps the result: `encode`, `decode`,
+# > `pieces` and a `Vocab`'s calls.
 
 
-# %%
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def learn_bpe(texts, vocab_size=8000):
     """A byte-level BPE tokenizer, specials first, learned from an iterable of texts."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -2956,46 +2932,38 @@ class SubwordVocab(TorchtextCalls):
 
 
 # %% [markdown]
-# Learned from the training sentences of both languages, the vocabulary keeps frequent
-# words whole and cuts rare ones into pieces. `example_subwords` shows a few sentences
-# cut into pieces (a leading space belongs to the piece after it; a character never
-# seen in training is spelled as its bytes, each printed alone as "�"), checks that
-# decoding gives the sentences back, and compares the number of tokens per sentence
-# with the spaCy words of Part 3. On the first 1,000 validation pairs a sentence
-# becomes about a fifth more tokens in German and a tenth more in English: the price
-# of never needing `<unk>`.
+# `example_subwords` prints sentences cut into pieces (a space belongs to the piece
+# after it; an unseen character's bytes print as "�"), checks that decoding gives
+# each back, and counts tokens per sentence beside Part 3's spaCy words.
 
 
 # %%
-def example_subwords(vocab_size=8000, n=1000):
+def example_subwords(data_dir, vocab_size=8000, n=1000):
     """Learn the joint vocabulary and show how it cuts German and English text."""
-    data_dir = notebook_data_dir()
     if data_dir is None:
         return None
-    train = read_split(data_dir, "train")
+    train, val = read_split(data_dir, "train"), read_split(data_dir, "val")[:n]
     vocab = SubwordVocab.build((text for pair in train for text in pair), vocab_size)
-    val = read_split(data_dir, "val")[:n]
     for text in (*val[0], "Ein Xylophonspieler übt Ωmega-Läufe."):
         print(vocab.pieces(text))
     assert all(vocab.decode(vocab.encode(s)) == s for pair in val for s in pair)
-    spacy_de, spacy_en = load_tokenizers()
-    for lang, side, spacy_tok in (("German", 0, spacy_de), ("English", 1, spacy_en)):
-        words = sum(len(tokenize(pair[side], spacy_tok)) for pair in val) / len(val)
+    spacy = load_tokenizers()  # (German, English)
+    for lang, side in (("German", 0), ("English", 1)):
+        words = sum(len(tokenize(pair[side], spacy[side])) for pair in val) / len(val)
         subwords = sum(len(vocab.encode(pair[side])) for pair in val) / len(val)
         print(f"{lang}: {words:.1f} words, {subwords:.1f} subwords per sentence")
     return vocab
 
 
-show_example(example_subwords)
+show_example(example_subwords, data_dir)
 
 
 # %% [markdown]
-# With one vocabulary for both sides, `make_model(V, V, share_embeddings=True,
-# tie_generator=True)` points the source embedding, the target embedding and the
-# generator's projection at one tensor. The count of distinct parameters drops by
-# exactly $2 \times V \times d_{\text{model}}$: two of the three matrices are gone,
-# while the generator keeps its own bias. The cell below checks the arithmetic for
-# the sizes of the `multi30k` run of Part 5 (the quick profile's, twice as wide).
+# `make_model(V, V, share_embeddings=True, tie_generator=True)` points the three
+# matrices at one tensor: $2 \times V \times d_{\text{model}}$ fewer parameters. The
+# cell counts them at the sizes of Part 5's `multi30k` run: $d_{\text{model}} = 256$
+# (the quick profile's is 128) and the same $d_{ff} = 512$, so its feed-forward layer
+# widens by 2, not by §3.3's 4.
 
 
 # %%
@@ -3018,17 +2986,15 @@ show_example(example_shared_embeddings)
 
 
 # %% [markdown]
-# **How the shared matrix starts.** *Our choice:* Glorot's start
-# draws a matrix's entries with a spread of $\sqrt{2/(\text{rows} + \text{columns})}$,
-# which is tiny for an 8,000-row embedding. After the $\sqrt{d_{\text{model}}}$ scale of
-# §3.4 the embeddings then start at about a third of the size of the positional codes
-# added to them, so at first the model sees mostly positions. Drawn from $\mathcal{N}(0, 1/d_{\text{model}})$ instead, each
-# scaled embedding starts at about unit size. That is what `make_model` does for a
-# shared matrix (`embedding_init="normal"`, its default once anything is tied); pass
-# `embedding_init="glorot"` for the old start. The cell prints the sizes for the
-# `multi30k` run's sizes. The difference is large: in our runs of that recipe
-# (`docs/results.md`), the Glorot start reached 22.5 validation BLEU after 8 epochs,
-# the normal start 38.0.
+# #### How the shared matrix starts
+#
+# *Our choice* (the paper states no initialisation): Glorot's start draws entries
+# with spread $\sqrt{2/(\text{rows} + \text{columns})}$, tiny for 8,000 rows, so even
+# after the $\sqrt{d_{\text{model}}}$ scale of §3.4 the embeddings start at a third of
+# the size of the positional codes added to them. Drawn from
+# $\mathcal{N}(0, 1/d_{\text{model}})$, they start at unit size; `make_model` does
+# that once a matrix is tied. In our `multi30k` runs (docs/results.md), the Glorot
+# start reached 22.5 validation BLEU after 8 epochs, this one 38.0.
 
 
 # %%
@@ -3036,15 +3002,11 @@ def example_embedding_start(vocab_size=8000, d_model=256):
     """The size of a scaled embedding at the start, beside the positional codes."""
     pe = PositionalEncoding(d_model, 0.0, max_len=100).pe[0]
     print(f"positional codes: root mean square {pe.pow(2).mean().sqrt():.2f}")
-    tied = dict(share_embeddings=True, tie_generator=True)
     for init in ("glorot", "normal"):
-        model = make_model(
-            vocab_size, vocab_size, 1, d_model, 8, 1, **tied, embedding_init=init
-        )
-        scaled = model.src_embed[0](torch.arange(vocab_size))  # lut(x) * sqrt(d_model)
-        print(
-            f"{init:>6} start: scaled embeddings have standard deviation {scaled.std():.2f}"
-        )
+        tied = dict(share_embeddings=True, tie_generator=True, embedding_init=init)
+        model = make_model(vocab_size, vocab_size, 1, d_model, 8, 1, **tied)
+        std = model.src_embed[0](torch.arange(vocab_size)).std()  # of lut(x) * √d
+        print(f"{init:>6} start: scaled embeddings have standard deviation {std:.2f}")
 
 
 show_example(example_embedding_start)
@@ -3053,33 +3015,19 @@ show_example(example_embedding_start)
 # %% [markdown]
 # ### Incremental decoding with a key/value cache
 #
-# *This section is ours:* the paper does not discuss decoding speed, and the
-# 2018/2022 notebook had no cache.
+# *Ours: the paper does not discuss decoding speed.* Part 2's `greedy_decode` runs
+# the decoder over the whole prefix at every step, recomputing positions that the
+# look-ahead mask keeps from changing: $n$ tokens cost $n(n+1)/2$ position
+# evaluations. A *key/value cache* feeds only the newest position through:
 #
-# Greedy decoding as written in Part 2 runs the whole decoder over the whole prefix at
-# every step: to choose token $t$ it recomputes the keys, values and outputs of
-# positions $1 \dots t-1$, although none of them changed (the look-ahead mask makes
-# every position depend only on earlier ones). The work of step $t$ therefore grows
-# with $t$, and decoding $n$ tokens costs $O(n^2)$ position-evaluations of the decoder
-# stack.
+# * in **self-attention**, its key and value join those of earlier steps, and its
+#   query attends over all of them;
+# * in **source attention**, the memory's keys and values are computed once;
+# * its positional encoding is taken at its own position.
 #
-# With a *key/value cache* each step feeds only the newest token through the decoder:
-#
-# * in **self-attention**, the new position's key and value are appended to those kept
-#   from earlier steps, and its query attends over all of them (the cache holds only
-#   the past, so nothing needs hiding);
-# * in **source attention**, the keys and values are projections of the encoder's
-#   memory, which never changes while decoding one sentence: they are computed at the
-#   first step and reused;
-# * the positional encoding is taken at the position the new token really has.
-#
-# Everything else (feed-forward, layer norms) works position by position already. The
-# cache runs the same layers with the same weights; only the order of work changes.
-# `cached_layer` runs one `DecoderLayer` over the new positions: it calls the layer's
-# own sub-layers, norms and feed-forward, and gives its attention modules the cached
-# keys and values through `MultiHeadedAttention.heads` and `.attend`, the two halves
-# of their `forward`. The tests check that cached and uncached decoding choose the same
-# tokens with log-probabilities equal up to float32 rounding, in both layouts.
+# Norms and feed-forward layers work position by position already. `cached_layer`
+# runs one `DecoderLayer` this way, with the layer's own sub-layers; attention's
+# `heads` and `attend`, the two halves of its `forward`, let it insert the cache.
 
 
 # %%
@@ -3088,8 +3036,7 @@ def cached_layer(layer, x, memory, src_mask, cache, start):
     d_model), reading and writing the layer's `cache` (a dict of buffers)."""
     self_attn, src_attn = layer.self_attn, layer.src_attn
     end = start + x.size(1)
-    # New positions see every earlier position and themselves: rows start.. of the
-    # look-ahead mask (one new position sees them all: no mask needed).
+    # rows start.. of the look-ahead mask (one new position may see all: no mask)
     mask = subsequent_mask(end, x.device)[:, start:] if x.size(1) > 1 else None
 
     def attend_to_prefix(x):
@@ -3111,40 +3058,21 @@ def cached_layer(layer, x, memory, src_mask, cache, start):
 
 
 # %% [markdown]
-# A `KVCache` holds one dictionary per decoder layer and the number of positions it
-# has seen. The keys and values live in buffers of `capacity` positions, made at
-# the first step; each step writes its new position into its slot, and attention
-# reads the positions held so far, a view of the buffer, so nothing is copied.
-# When a sentence outgrows the buffers they are replaced by ones twice the size.
-# `step` is `decode_step` for the positions it has not seen yet; `reorder` keeps
-# (and repeats) the rows of chosen hypotheses, for beam search below. Pass a fresh
-# one to `greedy_decode(..., cache=KVCache(model))`.
+# `KVCache.step` is `decode_step` for the positions not held yet. The folded base
+# class keeps the storage: per layer, buffers that double when a sentence outgrows
+# them, and `reorder(rows)`, which keeps (and repeats) chosen rows for beam search.
+# Pass a fresh one to `greedy_decode(..., cache=KVCache(model))`, as the folded
+# `cached_greedy_decode` does.
 
 
-# %%
-class KVCache:
-    """The keys and values of the target positions decoded so far, per layer.
-
-    KVCache(model, max_len=None), fresh for each batch: pass it to
-    greedy_decode(..., cache=) or use cached_greedy_decode; step() is decode_step
-    for new positions only and reorder(rows) keeps chosen rows (beam search). It
-    runs the model's own layers; max_len sizes its buffers (they grow if needed).
-    """
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+class CacheBuffers:
+    """A KVCache's storage: per decoder layer a dict of (rows, h, capacity, d_k)
+    buffers that double when full, and `length`, the target positions held."""
 
     def __init__(self, model, max_len=None):
         self.layers = [{} for _ in model.decoder.layers]
         self.length, self.capacity = 0, max_len or 64  # target positions held, room
-
-    def step(self, model, memory, src_mask, ys):
-        """decode_step for the prefixes ys, running only positions not held yet."""
-        start, end = self.length, ys.size(1)
-        self.make_room(model, ys.size(0), end)
-        embed, position = model.tgt_embed
-        x = position.dropout(embed(ys[:, start:]) + position.pe[:, start:end])
-        for layer, cache in zip(model.decoder.layers, self.layers, strict=True):
-            x = cached_layer(layer, x, memory, src_mask, cache, start)
-        self.length = end
-        return model.generator(model.decoder.norm(x)[:, -1])
 
     def make_room(self, model, rows, end):
         """Buffers (rows, h, capacity, d_k) per layer that hold `end` positions."""
@@ -3168,6 +3096,23 @@ class KVCache:
 
 
 # %%
+class KVCache(CacheBuffers):
+    """The keys and values of the target positions decoded so far, per layer: fresh
+    for each batch, KVCache(model, max_len=None); max_len sizes its buffers."""
+
+    def step(self, model, memory, src_mask, ys):
+        """decode_step for the prefixes ys, running only the positions not held yet."""
+        start, end = self.length, ys.size(1)
+        self.make_room(model, ys.size(0), end)
+        embed, position = model.tgt_embed
+        x = position.dropout(embed(ys[:, start:]) + position.pe[:, start:end])
+        for layer, cache in zip(model.decoder.layers, self.layers, strict=True):
+            x = cached_layer(layer, x, memory, src_mask, cache, start)
+        self.length = end
+        return model.generator(model.decoder.norm(x)[:, -1])
+
+
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def cached_greedy_decode(model, src, src_mask, max_len, start_symbol, **options):
     """greedy_decode with a fresh key/value cache."""
     options["cache"] = KVCache(model)
@@ -3175,75 +3120,97 @@ def cached_greedy_decode(model, src, src_mask, max_len, start_symbol, **options)
 
 
 # %% [markdown]
-# How much it saves grows with the output: without the cache a longer output costs
-# more per token, because every step re-reads the whole prefix; with it, the cost per
-# token stays about flat. The cell below translates the same validation sentences
-# with the model trained in Part 3, once without the cache and once with it, checks
-# that the two give the same translations, and times both. (`make bench` measures
-# it at the base model's sizes too.)
+# A `KVCache` with room for two positions, through eight steps: each computes one
+# position and reads the earlier ones; the buffer doubles at steps 3 and 5.
+
+
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+def kv_cache_cells(steps=8, capacity=2):
+    """What a KVCache of a small untrained model holds at each step of greedy
+    decoding: one (step, slot, held) row per buffer slot, held being "computed"
+    (this step), "read from the cache" or "free"."""
+    model, cells = make_model(11, 11, **TINY).eval(), []
+    cache, ys = KVCache(model, capacity), torch.zeros(1, 1, dtype=torch.long)
+    with torch.no_grad():
+        memory = model.encode(torch.arange(1, 6)[None], None)
+        for step in range(1, steps + 1):
+            start = cache.length
+            next_word = decode_step(model, memory, None, ys, cache).argmax(-1)
+            for slot in range(cache.capacity):
+                new = "computed" if slot < cache.length else "free"
+                held = "read from the cache" if slot < start else new
+                cells.append(dict(step=step, slot=slot, held=held))
+            ys = torch.cat([ys, next_word[:, None]], dim=1)
+    return cells
+
+
+def chart_kv_cache(steps=8, capacity=2):
+    """A heat map of kv_cache_cells; prints the positions computed with and without."""
+    alt = load_altair()
+    cells = kv_cache_cells(steps, capacity)
+    computed = sum(cell["held"] == "computed" for cell in cells)
+    without = steps * (steps + 1) // 2  # the whole prefix at every step
+    print(
+        f"{steps} steps: {computed} positions computed with the cache, {without} without"
+    )
+    kinds = ["computed", "read from the cache", "free"]
+    scale = alt.Scale(domain=kinds, range=["#d62728", "#3b6fb6", "#eee"])
+    title = "A key/value cache, step by step"
+    colour = alt.Color("held:N", scale=scale)
+    return chart(cells, "rect", title, 260, 200, x="slot:O", y="step:O", color=colour)
+
+
+show_example(chart_kv_cache)
+
+
+# %% [markdown]
+# With the model trained in Part 3: validation sentences translated without and with
+# the cache, compared and timed (`make bench` times the base model's sizes).
 
 
 # %%
-def example_cache(n=200):
+def example_cache(translator, data_dir, n=200):
     """Translate n validation sentences greedily without and with the cache."""
-    run = notebook_run()
-    if run is None:
+    if translator is None:
         return
-    sentences = [de for de, _ in read_split(run.data_dir, "val")[:n]]
+    sentences = [de for de, _ in read_split(data_dir, "val")[:n]]
     outputs, seconds = [], []
     for decode in (greedy_decode, cached_greedy_decode):
         start = time.perf_counter()
-        outputs.append(run.translator.translate(sentences, decode=decode))
+        outputs.append(translator.translate(sentences, decode=decode))
         seconds.append(time.perf_counter() - start)
     same = sum(a == b for a, b in zip(*outputs, strict=True))
     print(f"{same} of {n} sentences translated identically with and without the cache")
-    speedup = f"{seconds[0] / seconds[1]:.1f}x as fast"
-    print(f"{seconds[0]:.2f} s without, {seconds[1]:.2f} s with the cache: {speedup}")
+    print(f"{seconds[0]:.2f} s without, {seconds[1]:.2f} s with the cache", end=": ")
+    print(f"{seconds[0] / seconds[1]:.1f}x as fast")
 
 
-show_example(example_cache)
+show_example(example_cache, translator, data_dir)
 
 
 # %% [markdown]
 # ### Beam search
 #
-# Greedy decoding commits to the most likely token at every step, and can never undo
-# a choice that looked good locally but leads nowhere. *Beam search* keeps the $k$
-# best partial translations (the beam) instead of one. At each step it extends every
-# hypothesis in the beam by every possible next token, scores each extension by its
-# total log-probability $\log P(y_1 \dots y_t \mid x)$, and keeps the best $k$. A
-# hypothesis that produces `</s>` leaves the beam and joins the list of finished
-# translations; the search for a sentence stops once $k$ hypotheses have finished, or
-# at the maximum length.
-#
-# Summed log-probabilities favour short outputs: every extra token adds a negative
-# number. So finished hypotheses are compared after dividing by a *length penalty*, in
-# the form of [Wu et al. (2016)](https://arxiv.org/abs/1609.08144) (GNMT):
+# Greedy decoding cannot undo a choice. *Beam search* keeps the $k$ best partial
+# translations (the beam): each step extends every hypothesis by every token, scores
+# each extension by its total $\log P(y_1 \dots y_t \mid x)$ and keeps the best $k$.
+# A hypothesis that produces `</s>` leaves the beam, finished; the search stops once
+# $k$ have finished, or at the maximum length. Summed log-probabilities favour short
+# outputs, so finished hypotheses are ranked after dividing by the length penalty of
+# [Wu et al. (2016)](https://arxiv.org/abs/1609.08144):
 #
 # $$\mathrm{score}(Y) = \frac{\log P(Y \mid X)}{lp(Y)}, \qquad
 #   lp(Y) = \left(\frac{5 + |Y|}{6}\right)^{\alpha}.$$
 #
-# The paper (§6.1) used beam size $k = 4$, $\alpha = 0.6$ and a maximum output length of the
-# input length plus 50, stopping early when possible; those are the defaults here.
+# Our defaults are the paper's (§6.1): $k = 4$, $\alpha = 0.6$, at most the input's
+# length plus 50.
 #
-# `beam_search` searches a whole batch at once: the $k$ hypotheses of each of the $B$
-# sentences are $B \cdot k$ rows of one decoder batch, and after each step the
-# key/value cache is re-ordered so that every row keeps the cache of the hypothesis
-# it extends. For each sentence, a step ranks all extensions of its $k$ rows by total
-# log-probability and looks at the best $2k$: at most $k$ of them can end in `</s>`,
-# so among $2k$ there are always $k$ that go on. `next_beams` walks them in order. An
-# extension that ends counts as finished only if it ranks among the best $k$, that
-# is, only if it would have made the beam; a lower-ranked ending was beaten by $k$
-# live hypotheses. A sentence with $k$ finished hypotheses leaves the batch. With
-# `beam_size=1` it makes greedy decoding's choices; the tests check that a sentence
-# searched in a padded batch finds what it finds alone.
-#
-# > **Note (sampling, outside the book).** Greedy decoding and beam search both look
-# > for the *most likely* translation. Sampling instead draws each next token from
-# > the model's distribution, often sharpened by a temperature and cut to the $k$
-# > most likely tokens (top-$k$) or to the smallest set holding probability $p$
-# > (top-$p$): it gives varied outputs, which suits generation more than
-# > translation. The workshop's `translate --sample` does it (docs/translating.md).
+# `beam_search` searches a batch: the $k$ hypotheses of $B$ sentences are $B \cdot k$
+# rows of one decoder batch, and after each step the cache is reordered so that each
+# row keeps its hypothesis's cache. `next_beams` walks a sentence's best $2k$
+# extensions (at most $k$ end, so $k$ go on); an ending counts as finished only if it
+# ranks among the best $k$. With `beam_size=1` it makes greedy decoding's choices
+# (tested). `steps=[]` records each step's beam.
 
 
 # %%
@@ -3254,11 +3221,11 @@ def length_penalty(length, alpha=0.6):
 
 # %%
 def next_beams(total, ys, searched, finished, step, k, end, pad, alpha, last):
-    """One step of every sentence's search. total: (sentences, k, vocab), each
-    extension's summed log-probability. Returns (row, token, score) for the rows
-    that go on, k per sentence still searched (a short beam is filled with dead
-    rows of score -inf), and those sentences' indices; extensions that end and
-    would have made the beam join finished[sentence] as (score / lp, ids)."""
+    """One step of every sentence's search, from total: (sentences, k, vocab) summed
+    log-probabilities. Returns the (row, token, score) that go on, k per sentence
+    still searched (dead rows of score -inf fill a short beam), and those
+    sentences' indices; an ending that would have made the beam joins
+    finished[sentence] as (score / lp, ids)."""
     vocab, chosen, kept = total.size(-1), [], []
     best = total.flatten(1).topk(min(2 * k, total[0].numel()))  # (sentences, 2k)
     # One read from the device a step: float64 holds the scores and ids exactly.
@@ -3285,8 +3252,7 @@ def beam_search(
     model, src, src_mask, max_len, start_symbol, end_symbol, beam_size=4, **options
 ):
     """Beam-search a batch: (batch, <= max_len) best ids with <s>, or for n_best > 1
-    per sentence its n_best (ids, score) best first. Rows of ys: k per sentence.
-    options: alpha=0.6 (the length penalty's), pad_symbol, n_best=1, cache."""
+    each sentence's n_best (ids, score). options: alpha, pad_symbol, n_best, cache."""
     k, alpha, n_best = beam_size, options.get("alpha", 0.6), options.get("n_best", 1)
     pad = options.get("pad_symbol", end_symbol)
     if src_mask is None:  # no padding: every source position may be attended
@@ -3311,6 +3277,8 @@ def beam_search(
             rows, tokens = chosen[:, 0].long(), chosen[:, 1].to(ys)  # one copy
             ys = torch.cat([ys[rows], tokens[:, None]], dim=1)
             scores = chosen[:, 2].to(log_probs).view(-1, k)
+            if "steps" in options:  # a list: gets each step's ids and their log P
+                options["steps"].append((ys.tolist(), scores.view(-1).tolist()))
             if len(kept) < len(searched):  # some sentences are done: drop their rows
                 memory, src_mask = memory[rows], src_mask[rows]
             cache.reorder(rows)  # each row keeps the cache of the hypothesis it extends
@@ -3318,26 +3286,22 @@ def beam_search(
     best = [sorted(f, key=lambda h: -h[0])[:n_best] for f in finished]
     if n_best > 1:
         return [[(ids, score) for score, ids in hypotheses] for hypotheses in best]
-    top = [h[0][1] if h else [start_symbol] for h in best]  # each sentence's best
-    longest = max(len(ids) for ids in top)
-    return torch.tensor([ids + [pad] * (longest - len(ids)) for ids in top]).to(src)
+    top = [torch.tensor(h[0][1] if h else [start_symbol]) for h in best]  # the best
+    return nn.utils.rnn.pad_sequence(top, batch_first=True, padding_value=pad).to(src)
 
 
 # %% [markdown]
-# Beam search on the model trained in Part 3, beside greedy decoding, for a few
-# validation sentences. Beam search looks for the translation with the best
-# length-penalised score, which greedy decoding may miss; whether that makes better
-# translations is what Part 5's BLEU measures (on the `multi30k` model, beam search
-# adds 1.3 BLEU: 38.40 greedy, 39.73 with a beam of 6).
+# Beam search beside greedy decoding, with the model trained in Part 3. The beam
+# finds better length-penalised scores; whether it finds better translations is
+# what Part 5's BLEU measures.
 
 
 # %%
-def example_beam_search(n=5, beam_size=4):
+def example_beam_search(translator, data_dir, n=5, beam_size=4):
     """Greedy and beam-search translations of the first n validation sentences."""
-    run = notebook_run()
-    if run is None:
+    if translator is None:
         return
-    translator, pairs = run.translator, read_split(run.data_dir, "val")[:n]
+    pairs = read_split(data_dir, "val")[:n]
     sentences = [de for de, _ in pairs]
     greedy = translator.translate(sentences, decode=cached_greedy_decode)
     beam = translator.translate(sentences, decode=beam_search, beam_size=beam_size)
@@ -3345,168 +3309,123 @@ def example_beam_search(n=5, beam_size=4):
         print(f"{de}\n  reference: {en}\n  greedy:    {g}\n  beam:      {b}")
 
 
-show_example(example_beam_search)
+show_example(example_beam_search, translator, data_dir)
 
 
 # %% [markdown]
-# What does the beam hold at each step? `beam_steps` runs `beam_search`,
-# unchanged, on one sentence and watches it through a *forward hook* on the
-# generator: PyTorch calls the hook with every output of `model.generator`, so it
-# sees each step's log-probabilities of the next token, one row per hypothesis in the
-# beam ($k$ rows; at the first step only the row of `<s>` counts). The search
-# keeps the extensions with the best total log-probability $\log P$ that do not end
-# in `</s>`; so replaying that rule on what the hook saw gives every step's beam, each
-# hypothesis with its ids and its $\log P$. The tests check the replay: each kept
-# hypothesis's $\log P$ is the model's own for its ids, computed afresh, and the best
-# finished one is what `beam_search` returns.
-
-
-# %%
-def beam_steps(model, src_ids, k=4, alpha=0.6, start=BOS, end=EOS):
-    """beam_search's finished hypotheses for one sentence, and each step's beam."""
-    src = torch.tensor([src_ids], device=next(model.parameters()).device)
-    seen = []  # each step's log-probabilities of the next token: (k rows, vocab)
-    hook = model.generator.register_forward_hook(lambda m, x, out: seen.append(out))
-    search = (None, len(src_ids) + 50, start, end, k)  # one sentence: no mask
-    with hook:  # the hook is removed after it
-        found = beam_search(model, src, *search, alpha=alpha, n_best=k)[0]
-    finished = [(score, ids) for ids, score in found]
-    beams, beam, scores = [], [[start]] * k, torch.full((k,), -math.inf)
-    scores[0] = 0.0  # the first step extends <s> alone
-    for log_probs in seen[:-1]:
-        total = scores.to(log_probs).unsqueeze(1) + log_probs  # (k, vocab)
-        total[:, end] = -math.inf  # an ending hypothesis leaves the beam
-        scores, flat = total.view(-1).topk(k)  # the k best that go on
-        beam = [beam[i // total.size(1)] + [i % total.size(1)] for i in flat.tolist()]
-        beams.append(list(zip(beam, scores.tolist(), strict=True)))  # (ids, log P)s
-    return finished, beams
-
-
-# %% [markdown]
-# The chart shows the beam of one validation sentence as a table: a column per step,
-# a row per hypothesis kept at that step (best first), each cell labelled with the
-# hypothesis's last token and coloured by its $\log P$; point at a cell for the whole
-# hypothesis. Below the beam come the finished hypotheses, once per value of
-# $\alpha$, each in the column of the step that ended it, ranked by its score
-# $\log P / lp(Y)$, which its row's label gives. The printed lines are each $\alpha$'s
-# choice.
+# The tree is the beam of one validation sentence: a node per hypothesis kept at each
+# step (best on top, labelled with its last token, coloured by its $\log P$), an edge
+# to the hypothesis it extends, and the finished ones below with their scores. The
+# cell prints what $\alpha = 0.6$ and $\alpha = 2.0$ pick.
 #
-# > **Note (our reading).** $\alpha$ changes nothing in this search: which extensions
-# > are kept depends on $\log P$ alone, and the search stops once $k$ hypotheses have
-# > finished, so both values of $\alpha$ find the same finished hypotheses (the tests
-# > check it). $\alpha$ only ranks them: the larger it is, the more a long
-# > hypothesis's negative $\log P$ is shrunk, so a larger $\alpha$ never prefers a
-# > shorter hypothesis that a smaller one ranks below a longer one. A search that
-# > stopped by comparing penalised scores would let $\alpha$ change the search too.
+# > **Note (our reading).** $\alpha$ does not change this search: what is kept
+# > depends on $\log P$ alone, and it stops at $k$ finished hypotheses, so both values
+# > find the same ones (tested); $\alpha$ only ranks them.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
-def chart_beam(searches, words):
-    """Print each alpha's choice; chart the beam and each alpha's finished ranks."""
-    (_, beams), cells = next(iter(searches.values())), []  # one beam for every alpha
-    for step, beam in enumerate(beams, start=1):
-        cells += [(step, f"beam {i}", *h) for i, h in enumerate(beam, start=1)]
-    for alpha, (finished, _) in searches.items():
-        _, best_ids = finished[0]  # (score, ids), best first
-        print(f"α = {alpha} picks: {' '.join(words(best_ids))}")
-        for i, (score, ids) in enumerate(finished, start=1):
-            row, n = f"α = {alpha}: #{i}, {score:.2f}", len(ids) - 1
-            cells.append((n, row, ids, score * length_penalty(n, alpha)))
-    keys, wide = ("step", "row", "token", "hypothesis", "log P"), {"step": 44}
-    rows = [(s, r, words(ids)[-1], " ".join(words(ids)), p) for s, r, ids, p in cells]
-    frame = [dict(zip(keys, row, strict=True)) for row in rows]
-    heat = chart(frame, "rect", None, wide, 260, x="step:O", y="row:N", color="log P:Q")
-    return heat + heat.mark_text().encode(text="token:N", color={"value": "black"})
+def beam_tree(steps, finished, alpha):
+    """The nodes of a beam search's tree: <s>, each hypothesis kept at each step
+    (`steps`, as beam_search records them; row: its rank), and the finished
+    (score, ids) in rows below, each with its log P and its parent's row."""
+    nodes = [dict(step=0, row=1, ids=[BOS], log_p=0.0, parent=None)]
+    rows = {(BOS,): 1}  # each hypothesis's row in its step's column
+    for step, (ys, log_ps) in enumerate(steps, start=1):
+        beam = [(ids, p) for ids, p in zip(ys, log_ps, strict=True) if p > -math.inf]
+        for row, (ids, log_p) in enumerate(beam, start=1):
+            rows[tuple(ids)] = row
+            parent = rows[tuple(ids[:-1])]
+            nodes.append(dict(step=step, row=row, ids=ids, log_p=log_p, parent=parent))
+    below = max(node["row"] for node in nodes) + 1
+    for i, (score, ids) in enumerate(finished):
+        log_p = score * length_penalty(len(ids) - 1, alpha)  # score = log P / lp
+        parent = rows[tuple(ids[:-1])]
+        node = dict(step=len(ids) - 1, row=below + i, ids=ids, log_p=log_p)
+        nodes.append(dict(node, parent=parent, score=score))
+    return nodes
+
+
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+def chart_beam_tree(nodes, words):
+    """beam_tree's nodes, coloured by log P and labelled with their last token
+    (finished ones with their score), and an edge from each to its parent."""
+    alt = load_altair()
+    import pandas as pd
+
+    frame = []
+    for node in nodes:
+        tokens, score = words(node["ids"]), node.get("score")
+        label = tokens[-1] if score is None else f"{tokens[-1]} {score:.2f}"
+        hypothesis = dict(hypothesis=" ".join(tokens), **{"log P": node["log_p"]})
+        frame.append(
+            dict(step=node["step"], row=node["row"], label=label, **hypothesis)
+        )
+    edges = [
+        dict(step=n["step"] - 1, row=n["parent"], to_step=n["step"], to_row=n["row"])
+        for n in nodes
+        if n["parent"] is not None
+    ]
+    x = alt.X("step:Q", axis=alt.Axis(title="step", tickMinStep=1))
+    y = alt.Y("row:Q", scale=alt.Scale(reverse=True), axis=None)
+    lines = alt.Chart(pd.DataFrame(edges)).mark_rule(color="#bbb")
+    lines = lines.encode(x=x, y=y, x2="to_step:Q", y2="to_row:Q")
+    title = "A beam, step by step"
+    dots = chart(frame, "circle", title, 600, 260, x=x, y=y, color="log P:Q")
+    labels = dots.mark_text(dy=-9).encode(text="label:N", color=alt.value("black"))
+    return lines + dots + labels
 
 
 # %%
-def example_beam_steps(index=0, k=4, alphas=(0.6, 2.0)):
-    """The beam for one validation sentence, and what two alphas pick from it."""
-    run = notebook_run()
-    if run is not None:
-        translator, de = run.translator, read_split(run.data_dir, "val")[index][0]
-        src_ids, words = translator.encode([de])[0], translator.vocab_tgt.lookup_tokens
-        searches = {a: beam_steps(translator.model, src_ids, k, a) for a in alphas}
-        return chart_beam(searches, words)
+def example_beam_tree(translator, data_dir, index=0, k=4, alphas=(0.6, 2.0)):
+    """The beam of one validation sentence as a tree, and what two alphas pick."""
+    if translator is None:
+        return None
+    model, words = translator.model, translator.vocab_tgt.lookup_tokens
+    src_ids = translator.encode([read_split(data_dir, "val")[index][0]])[0]
+    src = torch.tensor([src_ids], device=next(model.parameters()).device)
+    for alpha in alphas:
+        steps = []  # each step's beam: the same for every alpha
+        search = (None, len(src_ids) + 50, BOS, EOS, k)  # one sentence: no mask
+        found = beam_search(model, src, *search, alpha=alpha, n_best=k, steps=steps)
+        finished = [(score, ids) for ids, score in found[0]]  # best first
+        print(f"α = {alpha} picks: {' '.join(words(finished[0][1]))}")
+        if alpha == alphas[0]:
+            tree = beam_tree(steps, finished, alpha)
+    return chart_beam_tree(tree, words)
 
 
-show_example(example_beam_steps)
+show_example(example_beam_tree, translator, data_dir)
 
 
 # %% [markdown]
 # ### Checkpoint averaging
 #
-# The paper's base models are not the weights of the last training step. §6.1
-# says they are the average of the last 5 checkpoints, written 10 minutes apart (the
-# big models averaged the last 20). For $K$ checkpoints $\theta^{(1)}, \dots,
-# \theta^{(K)}$ of the same network, every parameter of the averaged model is the
-# element-wise mean
+# The paper's base models average the last 5 checkpoints, written 10 minutes apart
+# (§6.1): each parameter is the mean over $K$ checkpoints,
+# $\bar\theta = \frac{1}{K} \sum_{k=1}^{K} \theta^{(k)}$.
 #
-# $$\bar\theta = \frac{1}{K} \sum_{k=1}^{K} \theta^{(k)} .$$
-#
-# Why would that help? Near the end of training the weights no longer move steadily
-# downhill: the learning rate is small but not zero (the schedule decays like
-# $\text{step}^{-1/2}$ and never reaches zero) and every step follows the gradient of a
-# different, noisy mini-batch. The weights wander around a low-loss valley instead of
-# settling at its bottom, and consecutive checkpoints are points scattered around it.
-# Their mean sits nearer the middle of the valley: a smoother point in weight space
-# that tends to generalise better than any single noisy iterate. This is the old idea
-# of iterate averaging ([Polyak and Juditsky,
-# 1992](https://doi.org/10.1137/0330046)); [stochastic weight
-# averaging](https://arxiv.org/abs/1803.05407) applies it to deep networks. It costs
-# nothing: no extra training, and the result is one model of the same size, unlike an
-# ensemble, which averages the *predictions* of $K$ models and runs all of them.
-#
-# > **Note (a pitfall).** Averaging works for checkpoints of *one* run, taken late in
-# > training, because they lie close together and the straight line between them
-# > stays in the valley. The weights of two independently trained networks cannot be
-# > averaged: their hidden units come in arbitrary, different orders, and the mean is
-# > a broken model. Averaging in an early, far-off checkpoint drags the mean away
-# > from the good region, too.
-#
-# `average` computes $\bar\theta$ over whole state dicts, so buffers are handled as
-# well as parameters: floating-point tensors are averaged (accumulated in float64),
-# while integer buffers, such as a batch-norm step counter, have no meaningful mean
-# and are copied from the first model. Our Transformer has no integer buffers; its
-# positional-encoding tables are identical in every checkpoint, so their mean is the
-# table itself.
-#
-# > **Changed.** The original's `average` could not run (`m.params()`,
-# > `torch.sum(*ps[1:])`); ours takes modules or state dicts.
-#
-# **Saving a model.** A checkpoint is a state dict, and a model's state dict holds the
-# positional tables too: one $(\text{max\_len}, d_{\text{model}})$ buffer per
-# embedding, a fixed function of the model's sizes and often most of the file (with
-# the default 5,000 positions and $d_{\text{model}} = 128$, 5.1 MB of float32).
-# `without_positional_tables` leaves them out of a state dict to save, and
-# `load_weights` loads weights saved with or without them into a model of any
-# `max_len` (its own tables fill in), strictly otherwise: any other missing or
-# unexpected weight is an error. A state dict saved by the 2018/2022 notebook's
-# `make_model` loads this way too.
+# *Our reading:* late in training the learning rate is small but not zero and each
+# batch is noisy, so the weights wander around a low-loss region, and their mean sits
+# nearer its middle ([Polyak and Juditsky, 1992](https://doi.org/10.1137/0330046);
+# [stochastic weight averaging](https://arxiv.org/abs/1803.05407)). This holds for
+# checkpoints of one run only: separately trained networks order their hidden units
+# differently. `average` takes modules or state dicts and averages in float64.
 
 
-# %%
-def without_positional_tables(state_dict):
-    """`state_dict` without the positional-encoding tables (its `*.pe` buffers)."""
-    return {k: v for k, v in state_dict.items() if not k.endswith(".pe")}
-
-
-def load_weights(model, state_dict):
-    """Load weights saved with or without positional tables into `model`, whatever
-    its max_len (its own tables kept), strictly otherwise; returns `model`."""
-    tables = {k: v for k, v in model.state_dict().items() if k.endswith(".pe")}
-    model.load_state_dict({**tables, **without_positional_tables(state_dict)})
-    return model
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+def check_one_architecture(states):
+    """Refuse no state dicts, or state dicts with different tensors, in one line."""
+    require(states, "average: give at least one model (or state dict) to average.")
+    for i, state in enumerate(states[1:], start=1):
+        other = f"average: model {i} has other tensors than model 0 (one architecture)."
+        require(state.keys() == states[0].keys(), other)
 
 
 # %%
 def average(model, models):
     """Set `model`'s state to the element-wise mean of `models`; returns `model`."""
     states = [m.state_dict() if isinstance(m, nn.Module) else m for m in models]
-    require(states, "average: give at least one model (or state dict) to average.")
-    for i, state in enumerate(states[1:], start=1):
-        other = f"average: model {i} has other tensors than model 0 (one architecture)."
-        require(state.keys() == states[0].keys(), other)
+    check_one_architecture(states)
     mean = {}
     for key, first in states[0].items():
         if first.is_floating_point():
@@ -3519,31 +3438,25 @@ def average(model, models):
 
 
 # %% [markdown]
-# The claim in a cell: the average of two models is their parameter-wise mean (the
-# largest difference printed is zero, or a rounding error).
+# The folded `without_positional_tables` leaves the positional tables (a fixed
+# function of the sizes) out of a state dict, and `load_weights` loads weights with
+# or without them into a model of any `max_len`, strictly otherwise; a state dict of
+# the 2018/2022 notebook's `make_model` loads too. `python -m workshop average
+# runs/base/epoch_0*.pt --out runs/base/average.pt` averages one run's last epochs.
 
 
-# %%
-def example_average_is_the_mean():
-    """Average two small random models and compare with (a + b) / 2."""
-    a, b, avg = (make_model(11, 11, **TINY) for _ in range(3))
-    average(avg, [a, b])
-    pairs = zip(*(m.state_dict().values() for m in (a, b, avg)), strict=True)
-    largest = max(float((m - (p + q) / 2).abs().max()) for p, q, m in pairs)
-    print(f"largest difference from (a + b) / 2: {largest:.1e}")
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+def without_positional_tables(state_dict):
+    """`state_dict` without the positional-encoding tables (its `*.pe` buffers)."""
+    return {k: v for k, v in state_dict.items() if not k.endswith(".pe")}
 
 
-show_example(example_average_is_the_mean)
-
-
-# %% [markdown]
-# From the command line, `average` averages the `epoch_NNN.pt` files of one training
-# run (a run keeps the newest five, one per epoch, where the paper kept one per 10
-# minutes) and refuses files of different runs:
-#
-# ```
-# python -m workshop average runs/base/epoch_0*.pt --out runs/base/average.pt
-# ```
+def load_weights(model, state_dict):
+    """Load weights saved with or without positional tables into `model`, whatever
+    its max_len (its own tables kept), strictly otherwise; returns `model`."""
+    tables = {k: v for k, v in model.state_dict().items() if k.endswith(".pe")}
+    model.load_state_dict({**tables, **without_positional_tables(state_dict)})
+    return model
 
 
 # %% [markdown]

@@ -1,6 +1,8 @@
 """Part 4: incremental decoding with a key/value cache, and beam search over a batch."""
 
 import copy
+import math
+import re
 
 import pytest
 import torch
@@ -236,8 +238,48 @@ def test_the_books_beam_search_of_width_one_chooses_what_greedy_decoding_chooses
 
 
 # ---------------------------------------------------------------------------
-# A picture of beam search: beam_steps watches beam_search through a forward hook
-# on the generator and replays its rule to recover every step's beam
+# The cache, step by step
+
+
+def test_the_cache_picture_computes_one_position_a_step_and_doubles_its_buffer(
+    capsys,
+):
+    """The picture's cells come from a real KVCache with room for 2 positions: at
+    step t it reads t - 1 positions, computes one, and its buffer has grown to the
+    power of two (at least 2) that holds t."""
+    spec = tat.chart_kv_cache(steps=8, capacity=2).to_dict()
+    (cells,) = spec["datasets"].values()
+    steps = {}
+    for cell in sorted(cells, key=lambda cell: cell["slot"]):
+        steps.setdefault(cell["step"], []).append(cell["held"])
+    assert sorted(steps) == list(range(1, 9))
+    for t, held in steps.items():
+        capacity = 2 ** max(1, math.ceil(math.log2(t)))
+        free = ["free"] * (capacity - t)
+        assert held == ["read from the cache"] * (t - 1) + ["computed"] + free, t
+    printed = capsys.readouterr().out
+    assert "8 steps: 8 positions computed with the cache, 36 without" in printed
+
+
+# ---------------------------------------------------------------------------
+# A picture of beam search: beam_search(..., steps=[]) records every step's beam
+
+
+def beam_steps(model, src_ids, k, alpha):
+    """beam_search of one sentence, recording its steps: its k finished (score, ids),
+    best first, and each step's beam, the live (ids, log P) rows, best first."""
+    steps, src, ends = (
+        [],
+        torch.tensor([src_ids]),
+        (len(src_ids) + 50, tat.BOS, tat.EOS),
+    )
+    options = dict(alpha=alpha, n_best=k, steps=steps)
+    (found,) = tat.beam_search(model, src, None, *ends, k, **options)
+    beams = [
+        [(ids, p) for ids, p in zip(ys, log_ps, strict=True) if p > -math.inf]
+        for ys, log_ps in steps
+    ]
+    return [(score, ids) for ids, score in found], beams
 
 
 @pytest.fixture(scope="module")
@@ -253,15 +295,15 @@ def val_ids(multi30k_dir, smoke_translator):
     return smoke_translator.encode([de for de, _ in pairs])
 
 
-def test_beam_steps_best_finished_hypothesis_is_what_beam_search_returns(
+def test_a_search_that_records_its_steps_finds_what_beam_search_returns(
     smoke_translator, val_ids
 ):
     model = smoke_translator.model
     for ids in val_ids:
         for alpha in (0.6, 2.0):
-            finished, _ = tat.beam_steps(model, ids, 3, alpha)
+            finished, _ = beam_steps(model, ids, 3, alpha)
             src = torch.tensor([ids])
-            ends = (len(ids) + 50, tat.BOS, tat.EOS)  # the max_len beam_steps uses
+            ends = (len(ids) + 50, tat.BOS, tat.EOS)  # as beam_steps searches
             options = dict(beam_size=3, alpha=alpha)
             out = tat.beam_search(
                 model, src, tat.padding_mask(src, tat.PAD), *ends, **options
@@ -298,7 +340,7 @@ def test_beam_search_with_one_generator_weight_changed_returns_another_hypothesi
     the first step.)"""
     model = smoke_translator.model
     for ids in val_ids:
-        finished, _ = tat.beam_steps(model, ids, 3, 0.6)
+        finished, _ = beam_steps(model, ids, 3, 0.6)
         perturbed = with_first_logit_moved(model, ids, finished[0][1][1], -10.0)
         src = torch.tensor([ids])
         ends = (len(ids) + 50, tat.BOS, tat.EOS)
@@ -313,7 +355,7 @@ def test_each_step_keeps_at_most_k_live_hypotheses_each_extending_one_kept_befor
     smoke_translator, val_ids
 ):
     for ids in val_ids:
-        finished, beams = tat.beam_steps(smoke_translator.model, ids, 4, 0.6)
+        finished, beams = beam_steps(smoke_translator.model, ids, 4, 0.6)
         kept = [[[tat.BOS]]] + [[h for h, _ in beam] for beam in beams]
         for step, beam in enumerate(kept[1:], start=1):
             assert 1 <= len(beam) <= 4
@@ -343,7 +385,7 @@ def test_each_kept_hypothesis_log_p_is_the_sum_of_its_tokens_log_probabilities(
     recomputed here from scratch."""
     model = smoke_translator.model.eval()
     ids = val_ids[0]
-    _, beams = tat.beam_steps(model, ids, 4, 0.6)
+    _, beams = beam_steps(model, ids, 4, 0.6)
     for step, misses in enumerate(log_p_misses(model, ids, beams), start=1):
         for miss, tolerance, hypothesis in misses:
             assert miss <= tolerance, (step, hypothesis)
@@ -389,7 +431,7 @@ def test_log_p_recomputed_with_one_generator_weight_changed_misses_beyond_tolera
     comment derives why), and so the equality test would fail."""
     model = smoke_translator.model.eval()
     ids = val_ids[0]
-    _, beams = tat.beam_steps(model, ids, 4, 0.6)
+    _, beams = beam_steps(model, ids, 4, 0.6)
     perturbed = with_first_logit_moved(model, ids, beams[0][0][0][1], LOGIT_STEP)
     misses = log_p_misses(model, ids, beams, fresh_model=perturbed)
     assert all(miss > tolerance for miss, tolerance, _ in misses[0]), misses[0]
@@ -400,7 +442,7 @@ def test_alpha_ranks_the_same_finished_hypotheses_and_never_prefers_a_shorter_on
 ):
     model, picks = smoke_translator.model, []
     for ids in val_ids:
-        small, large = (tat.beam_steps(model, ids, 4, alpha) for alpha in (0.6, 2.0))
+        small, large = (beam_steps(model, ids, 4, alpha) for alpha in (0.6, 2.0))
         assert small[1] == large[1]  # the same beam at every step: alpha is not used
         log_p = {}  # each finished hypothesis's log P, as each alpha's score gives it
         for alpha, (finished, _) in ((0.6, small), (2.0, large)):
@@ -428,32 +470,51 @@ def test_alpha_ranks_the_same_finished_hypotheses_and_never_prefers_a_shorter_on
     assert any(small < large for small, large in picks), picks
 
 
-def test_the_beam_chart_has_a_cell_per_hypothesis_with_its_log_p_on_hover(
+def test_the_beam_tree_has_a_node_per_hypothesis_and_an_edge_to_its_parent(
     smoke_translator, val_ids, multi30k_dir, capsys
 ):
-    found = tat.example_beam_steps(
-        smoke_translator, multi30k_dir, k=4, alphas=(0.6, 2.0)
-    )
-    spec = found.to_dict()  # sentence 0
+    tree = tat.example_beam_tree(smoke_translator, multi30k_dir, k=4, alphas=(0.6, 2.0))
+    spec = tree.to_dict()  # the beam of validation sentence 0
     model, words = smoke_translator.model, smoke_translator.vocab_tgt.lookup_tokens
-    searches = {a: tat.beam_steps(model, val_ids[0], 4, a) for a in (0.6, 2.0)}
-    (values,) = spec["datasets"].values()
-    beams = searches[0.6][1]
-    finished = [f for found, _ in searches.values() for f in found]
-    assert len(values) == sum(map(len, beams)) + len(finished)
-    assert {"step", "row", "token", "hypothesis", "log P"} == set(values[0])
-    heat, text = spec["layer"]
-    assert heat["mark"] == {"type": "rect", "tooltip": True}  # every field on hover
-    assert heat["encoding"]["color"]["field"] == "log P"
-    assert text["encoding"]["text"]["field"] == "token"
+    searches = {a: beam_steps(model, val_ids[0], 4, a) for a in (0.6, 2.0)}
+    finished, beams = searches[0.6]
+    lines, dots, text = spec["layer"]
+    nodes, edges = (spec["datasets"][layer["data"]["name"]] for layer in (dots, lines))
+    assert text["data"] == dots["data"] and text["encoding"]["text"]["field"] == "label"
+    assert dots["encoding"]["color"]["field"] == "log P"
+    assert len(nodes) == 1 + sum(map(len, beams)) + len(finished)  # <s>, kept, ended
     for step, beam in enumerate(beams, start=1):
-        for i, (ids, log_p) in enumerate(beam, start=1):
-            cell = dict(step=step, row=f"beam {i}", token=words(ids)[-1])
-            cell.update({"hypothesis": " ".join(words(ids)), "log P": log_p})
-            assert cell in values
+        for row, (ids, log_p) in enumerate(beam, start=1):
+            node = dict(step=step, row=row, label=words(ids)[-1])
+            node.update({"hypothesis": " ".join(words(ids)), "log P": log_p})
+            assert node in nodes
+    below = max(map(len, beams)) + 1
+    for i, (score, ids) in enumerate(finished):  # below the beam, ranked, scored
+        (node,) = [n for n in nodes if n["row"] == below + i]
+        assert node["hypothesis"] == " ".join(words(ids))
+        assert node["label"] == f"{words(ids)[-1]} {score:.2f}"
+        lp = tat.length_penalty(len(ids) - 1, 0.6)
+        assert node["log P"] == pytest.approx(score * lp, rel=1e-12)
+    hypothesis = {(n["step"], n["row"]): n["hypothesis"] for n in nodes}
+    assert len(edges) == len(nodes) - 1  # every node but <s> has one parent
+    for edge in edges:
+        child = hypothesis[edge["to_step"], edge["to_row"]]
+        assert edge["to_step"] == edge["step"] + 1
+        assert child.rsplit(" ", 1)[0] == hypothesis[edge["step"], edge["row"]]
     printed = capsys.readouterr().out
     for alpha, (found, _) in searches.items():
-        score, ids = found[0]  # each alpha's pick: printed, and its row in the chart
-        row = f"α = {alpha}: #1, {score:.2f}"
-        assert [v["step"] for v in values if v["row"] == row] == [len(ids) - 1]
-        assert f"α = {alpha} picks: {' '.join(words(ids))}\n" in printed
+        assert f"α = {alpha} picks: {' '.join(words(found[0][1]))}\n" in printed
+
+
+def test_the_decoding_examples_run_on_the_readers_translator(
+    smoke_translator, multi30k_dir, capsys
+):
+    tat.example_cache(smoke_translator, multi30k_dir, n=10)
+    tat.example_beam_search(smoke_translator, multi30k_dir, n=2)
+    printed = capsys.readouterr().out
+    assert re.search(r"^\d+ of 10 sentences translated identically", printed, re.M)
+    assert re.search(r"s with the cache: [\d.]+x as fast$", printed, re.M)
+    assert printed.count("\n  beam:      ") == 2
+    examples = (tat.example_cache, tat.example_beam_search, tat.example_beam_tree)
+    assert all(example(None, None) is None for example in examples)
+    assert capsys.readouterr().out == ""  # without a translator: nothing to show
