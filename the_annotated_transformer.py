@@ -2828,13 +2828,6 @@ def example_multi30k(translator, data_dir):
 
 show_example(example_multi30k, translator, data_dir)
 
-# %%
-# TEMP (p4): a stand-in for p3's visible cells `data_dir = ...` and
-# `translator = ...`; revert this commit when merging p3.
-data_dir = show_example(notebook_data_dir)
-translator = show_example(lambda d: d and notebook_run().translator, data_dir)
-
-
 # %% [markdown]
 # ## Part 4: Additional components
 #
