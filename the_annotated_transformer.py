@@ -824,8 +824,8 @@ class PositionwiseFeedForward(nn.Module):
 # does not say how tables start either: Xavier-initialised ([Full
 # model](#Full-model)), a $37{,}000 \times 512$ table's entries have a standard
 # deviation of 0.007, which $\sqrt{512}$ lifts to 0.17; tables started from
-# $\mathcal{N}(0, 1/d_{\text{model}})$ are lifted to 1 ([Part
-# 4](#Part-4:-Additional-components) says why). The paper shares one matrix between
+# $\mathcal{N}(0, 1/d_{\text{model}})$ are lifted to 1 ([Part 4 says
+# why](#How-the-shared-matrix-starts)). The paper shares one matrix between
 # both embeddings and the generator
 # ([Press and Wolf, 2017](https://arxiv.org/abs/1608.05859)).
 
