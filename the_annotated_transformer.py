@@ -1094,8 +1094,8 @@ show_example(run_tests)
 # ## Part 2: Model training
 #
 # What trains the model (§5): batches with their masks, a loop over one epoch, the
-# optimizer with its schedule, and label smoothing; then a task that trains on a
-# laptop CPU in about a minute, copying a random sequence of symbols.
+# optimizer with its schedule, and label smoothing; then a task a laptop CPU learns
+# in about a minute: copying a random sequence of symbols.
 #
 # ### Batches and masking
 #
@@ -1466,11 +1466,10 @@ show_example(chart_learning_rate)
 # $\sum_c q_c (\log q_c - \log p_c)$ from this target $q$ to the model's $p$.
 # Padding gets no share: $\epsilon_{ls}$ goes to the `size - 2` words that are
 # neither right nor padding, and positions whose target is padding add nothing. As
-# $q$ takes two values, a row's divergence is the constant $\sum_c q_c \log q_c$,
-# less `confidence` times the right word's $\log p$, less `spread` times the sum of
-# the others': `forward` builds no table of $q$ (`smoothed_targets` does, for the
-# chart and the tests). It differs from the cross-entropy by that constant only, so
-# the gradients are the same.
+# $q$ takes two values, a row's divergence is a constant less `confidence` times the
+# right word's $\log p$ less `spread` times the others': `forward` builds no table of
+# $q$ (`smoothed_targets` does, for the chart and the tests), and the gradients are
+# those of the cross-entropy with $q$.
 
 
 # %%
@@ -2834,9 +2833,7 @@ show_example(example_multi30k, translator, data_dir)
 # The paper's scores rest on more than Parts 1–3 show: one subword vocabulary for
 # both languages and one matrix for the embeddings and the output (§3.4, §5.1), beam
 # search and checkpoint averaging (§6.1). We add a key/value cache for fast decoding.
-# The 2018/2022 notebook left subwords and beam search to other libraries
-# (subword-nmt, OpenNMT-py) and gave snippets for the other two that do not run. Here
-# each one runs and is tested; Hugging Face's `tokenizers` learns the subwords.
+# Each one runs here and is tested; Hugging Face's `tokenizers` learns the subwords.
 
 
 # %% [markdown]
@@ -2863,9 +2860,8 @@ show_example(example_multi30k, translator, data_dir)
 #
 # > **Note (our choices).** The folded `learn_bpe` hands the learning to Hugging
 # > Face's [`tokenizers`](https://huggingface.co/docs/tokenizers) (its `BpeTrainer`),
-# > on the training split, with 8,000 tokens for Multi30k's 29,000 pairs. The
-# > specials keep ids 0–3. `SubwordVocab` wraps the result: `encode`, `decode`,
-# > `pieces` and a `Vocab`'s calls.
+# > on the training split, with 8,000 tokens for Multi30k's 29,000 pairs; the
+# > specials keep ids 0–3. `SubwordVocab` wraps the result.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -3503,11 +3499,9 @@ def bleu(translator, pairs, **options):
 # | Transformer, base | 27.3 | 38.1 | $3.3 \cdot 10^{18}$ | $3.3 \cdot 10^{18}$ |
 # | Transformer, big | 28.4 | 41.8 | $2.3 \cdot 10^{19}$ | $2.3 \cdot 10^{19}$ |
 #
-# The paper's scores are for WMT 2014 news, not comparable with ours. The big model
-# beat every earlier one in both directions, the base model on
-# English→German only. The base model cost a fraction of every earlier English→German
-# model, the big one of every English→French one; the big English→German model cost
-# as much as GNMT + RL and 2.4 times as much as ConvS2S.
+# The scores are on WMT 2014 news, not comparable with ours. The big model beat every
+# earlier one in both directions, the base model on English→German only, at a
+# fraction of their cost.
 
 
 # %% [markdown]
@@ -3531,10 +3525,8 @@ def bleu(translator, pairs, **options):
 # beam size and $\alpha$ on the validation split, then translates the test set once.
 #
 # *Why it scores higher* (docs/results.md has every attempt). Subwords leave no word
-# unknown; tying cuts 10.1 M parameters to 6.0 M. The tied matrix starts from
-# $\mathcal{N}(0, 1/d_{\text{model}})$: from Glorot's start, four times smaller, 8
-# epochs reach 22.5 validation BLEU, not 38.0. The rate falls to 0 over the last 40 %
-# of the steps (+0.9). Beam search does best with $\alpha$ near 2: the paper's 0.6
+# unknown; tying cuts 10.1 M parameters to 6.0 M; the tied matrix starts as Part 4
+# says; the rate falls to 0 over the last 40 % of the steps (+0.9). Beam search does best with $\alpha$ near 2: the paper's 0.6
 # favours short output, which the brevity penalty punishes. *Our caveat:* the choices
 # were made on validation, but two earlier recipes were also scored on the test set
 # before this one was chosen.
@@ -3567,9 +3559,8 @@ show_example(example_results, translator, data_dir)
 # attention, the nearest thing to a word alignment, shifted by one: a target token's
 # row is the query that chose the *next* word.
 #
-# Heads often specialise: studies found heads that attend to the previous or the next
-# token, heads that spread over the sentence, and heads that park their weight on
-# punctuation or a separator ([Clark et al., 2019](https://arxiv.org/abs/1906.04341);
+# Heads often specialise: on the previous or next token, over the whole sentence, or
+# on punctuation ([Clark et al., 2019](https://arxiv.org/abs/1906.04341);
 # [Voita et al., 2019](https://arxiv.org/abs/1905.09418)): tendencies, not rules. In
 # eval mode each `MultiHeadedAttention` keeps its last weights in `.attn`;
 # `attention_maps` collects them.
@@ -3887,9 +3878,7 @@ show_example(example_same_as_torch)
 # $\ln V + s^2/2$ (Jensen's inequality, once for the convex exponential and once for
 # the concave logarithm; `tests/test_part2_training.py` writes the proof out and
 # checks the band over 400 draws of the generator). The cell prints the prediction
-# beside the mean first loss of Part 2's three initialisations: for $V = 11$ the
-# scores are far from small ($s^2 \approx 1.8$), for $V = 1000$ less so
-# ($s^2 \approx 0.23$).
+# beside the mean first loss of Part 2's three initialisations.
 
 
 # %%
