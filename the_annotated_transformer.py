@@ -24,8 +24,9 @@
 # names the paper's section and equation, as in *§3.2.1, Eq. (1)*, so you can read it
 # with the paper open. The prose is ours; our own asides are block quotes that start
 # with **Note**, or sentences that start *Our choice:* or *Our reading:*. Folded cells
-# hold support you need not read. How to run the book (Colab, JupyterLab, a script, a
-# library) and what its two environment variables change:
+# hold support you need not read. How to run the book
+# ([in Colab](https://colab.research.google.com/github/annotated-transformer/annotated-transformer/blob/main/notebooks/the_annotated_transformer.ipynb),
+# JupyterLab, a script, a library) and what its two environment variables change:
 # [docs/notebook.md](https://github.com/annotated-transformer/annotated-transformer/blob/main/docs/notebook.md).
 #
 # **Contents**
@@ -2194,8 +2195,9 @@ def read_split(folder, split):
 
 
 # %% [markdown]
-# The folded cells fetch the six files (1.3 MB) from the Multi30k repository into
-# `data/multi30k` (the user's cache outside this repository) once, keeping a file only
+# The folded cells fetch the six files (1.3 MB) from the Multi30k repository once,
+# into this repository's `data/multi30k` (or, run elsewhere, the user's cache
+# `~/.cache/annotated-transformer/multi30k`), keeping a file only
 # if its SHA-256 digest is the published one. `notebook_data_dir` returns that folder,
 # or the one `ANNOTATED_TRANSFORMER_DATA` names; without either it says why in one
 # line and returns `None`, and the examples that need the data skip.
@@ -2778,14 +2780,10 @@ class Translator(TranslatorText):
 # ### Your run
 #
 # The cell below trains the chosen profile, printing each epoch's validation
-# perplexity. With `quick`, expect about 27 BLEU on test 2016, greedy, in Part 5: the
-# run [docs/notebook.md](https://github.com/annotated-transformer/annotated-transformer/blob/main/docs/notebook.md) records scored 27.27
-# (7.66 perplexity), one on a CPU without AVX-512 26.45. The README's 38.40 greedy and
-# 39.73 with beam search come from another recipe, the workshop's `multi30k` profile:
-# 3 layers as here but $d_{\text{model}} = 256$, on Part 4's shared subwords, a fixed
-# budget of training FLOPs (8 epochs), then the model and the beam search chosen on
-# validation. `make multi30k` reproduces it, in about 12 minutes on a 2-core CPU with
-# bfloat16 ([docs/results.md](https://github.com/annotated-transformer/annotated-transformer/blob/main/docs/results.md)).
+# perplexity. With `quick`, expect about 27 BLEU on test 2016, greedy (Part 5 scores
+# it). The README's 38.40 greedy and 39.73 with beam search come from another
+# recipe, the workshop's `multi30k` profile, which `make multi30k` reproduces; [Part
+# 5](#Your-model,-and-the-multi30k-recipe) says how it differs.
 
 
 # %%
@@ -3275,8 +3273,9 @@ def beam_search(
     best = [sorted(f, key=lambda h: -h[0])[:n_best] for f in finished]
     if n_best > 1:
         return [[(ids, score) for score, ids in hypotheses] for hypotheses in best]
-    top = [torch.tensor(h[0][1] if h else [start_symbol]) for h in best]  # the best
-    return nn.utils.rnn.pad_sequence(top, batch_first=True, padding_value=pad).to(src)
+    top = [h[0][1] if h else [start_symbol] for h in best]  # each sentence's best
+    longest = max(len(ids) for ids in top)
+    return torch.tensor([ids + [pad] * (longest - len(ids)) for ids in top]).to(src)
 
 
 # %% [markdown]
@@ -3525,8 +3524,8 @@ def bleu(translator, pairs, **options):
 # beam size and $\alpha$ on the validation split, then translates the test set once.
 #
 # *Why it scores higher* (docs/results.md has every attempt). Subwords leave no word
-# unknown; tying cuts 10.1 M parameters to 6.0 M; the tied matrix starts as Part 4
-# says; the rate falls to 0 over the last 40 % of the steps (+0.9). Beam search does best with $\alpha$ near 2: the paper's 0.6
+# unknown; tying takes the model from 10.1 M parameters to 6.0 M; the tied matrix
+# starts as Part 4 says; the rate falls to 0 over the last 40 % of the steps (+0.9). Beam search does best with $\alpha$ near 2: the paper's 0.6
 # favours short output, which the brevity penalty punishes. *Our caveat:* the choices
 # were made on validation, but two earlier recipes were also scored on the test set
 # before this one was chosen.

@@ -419,9 +419,9 @@ def table_2(book):
 
 def test_the_papers_costs_follow_from_its_hardware_and_the_books_ratios_from_them():
     """Table 2's costs of the Transformer are training time x 8 GPUs x 9.5 TFLOPS
-    (§5.2's times), and the book's sentence about them holds: the base model cost a
-    fraction of every earlier En-De model's, the big one of every En-Fr model's, and
-    the big En-De model as much as GNMT + RL and 2.4 times ConvS2S."""
+    (§5.2's times), and the book's sentence about the table holds: the big model
+    beat every earlier one in both directions, the base model En-De only, at less
+    than half of every earlier En-De model's cost."""
     book = BOOK.read_text(encoding="utf-8")
     rows = table_2(book)
     assert len(rows) == 5
@@ -434,11 +434,8 @@ def test_the_papers_costs_follow_from_its_hardware_and_the_books_ratios_from_the
     assert all(big[0] > r[0] and big[1] > r[1] for r in earlier)  # beat in both
     assert all(base[0] > r[0] for r in earlier) and any(base[1] < r[1] for r in earlier)
     assert all(base[2] < r[2] / 2 for r in earlier)  # a fraction, En-De
-    assert all(big[3] < r[3] / 5 for r in earlier)  # a fraction, En-Fr
-    assert big[2] == rows["GNMT + RL"][2]
-    assert round(big[2] / rows["ConvS2S"][2], 1) == 2.4  # to the book's digits
-    assert "2.4 times as much as ConvS2S" in book
-    assert "at a fraction of their training cost" not in book
+    text = " ".join(line.removeprefix("# ") for line in book.splitlines())
+    assert "the base model on English→German only, at a fraction of their cost" in text
 
 
 # ---------------------------------------------------------------------------
