@@ -3239,8 +3239,7 @@ def next_beams(total, ys, searched, finished, step, k, end, pad, alpha, last):
 def beam_search(
     model, src, src_mask, max_len, start_symbol, end_symbol, beam_size=4, **options
 ):
-    """Beam-search a batch: (batch, <= max_len) best ids with <s>, or for n_best > 1
-    each sentence's n_best (ids, score). options: alpha, pad_symbol, n_best, cache."""
+    """Beam search: best ids (batch, <= max_len), or n_best (ids, score) per sentence."""
     k, alpha, n_best = beam_size, options.get("alpha", 0.6), options.get("n_best", 1)
     pad = options.get("pad_symbol", end_symbol)
     if src_mask is None:  # no padding: every source position may be attended
