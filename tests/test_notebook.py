@@ -142,9 +142,10 @@ def test_notebook_executes_end_to_end_with_the_smoke_profile(executed_notebook):
     outputs = [o for cell in notebook.cells for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
     charts = [o for o in outputs if VEGA_LITE in o.get("data", {})]
-    # Parts 1-2 draw seven charts (mask, waves, the two bases, learning rate, the
-    # two label-smoothing charts), Part 5 the attention maps.
-    assert len(charts) >= 8
+    # Twelve charts: Part 1's mask and positional bases; Part 2's teacher forcing,
+    # learning rate, two of label smoothing and the two layouts; Part 3's batches;
+    # Part 4's cache and beam tree; Part 5's attention grid and explorer.
+    assert len(charts) == 12
     for chart in charts:
         assert base64.b64decode(chart.data["image/png"])[:8] == b"\x89PNG\r\n\x1a\n"
         assert chart.data[VEGA_LITE]["$schema"].startswith(VEGA_LITE_SCHEMA)
@@ -152,7 +153,7 @@ def test_notebook_executes_end_to_end_with_the_smoke_profile(executed_notebook):
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "exact copy: yes" in text
     assert "reference:" in text and "model:" in text  # translations beside references
-    assert "test 2016, greedy: BLEU =" in text
+    assert re.search(r"Your smoke model, test 2016, greedy: \d+\.\d\d BLEU", text)
     # Part 4 runs what it teaches: the cache against recomputation, beam beside greedy.
     assert "translated identically with and without the cache" in text
     assert "\n  greedy:    " in text and "\n  beam:      " in text
