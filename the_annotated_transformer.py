@@ -3710,27 +3710,35 @@ show_example(example_attention_maps, translator)
 # %% [markdown]
 # ## What changed from the 2018/2022 notebook
 #
-# Defects fixed (each tested), and one behaviour changed:
+# Defects fixed (each tested), and two behaviours changed:
 #
 # | Where | 2018/2022 notebook | Here |
 # |---|---|---|
-# | [`LayerNorm`](#Layer-normalisation) | unbiased standard deviation plus $\epsilon$ | the layer-norm paper's formula: `torch.nn.LayerNorm` |
+# | [`LayerNorm`](#Layer-normalisation) | unbiased standard deviation plus $\epsilon$ | the layer-norm paper's formula |
 # | [`attention`](#Part-1:-Model-architecture) | `-1e9` fill: refused in float16; a fully hidden row averaged padding | the dtype's minimum, hidden weights 0 |
 # | [`make_model`](#Full-model) | attention dropout 0.1 whatever `dropout` was | the model's dropout |
+# | [`Batch`](#Batches-and-masking) (behaviour) | any target | a target row starting with padding refused: its first position sees no word |
 # | [`run_epoch`](#Training-loop) | a last partial `accum_iter` group leaked into the next epoch | stepped at the epoch's end |
 # | `run_epoch` | $k$ accumulated micro-batches: $k$ times the gradient | divided by the group's tokens |
 # | `run_epoch` | one `TrainState()` default for every call | a fresh one per call |
 # | `run_epoch` | evaluation built the autograd graph | no gradients |
 # | `run_epoch` | validation loss: the label-smoothed criterion | the NLL per token |
-# | `run_epoch` (behaviour) | the rate stepped every micro-batch | once per optimizer step: 10× the warm-up batches at `accum_iter=10` |
-# | [rate chart](#Part-2:-Model-training) | stepped an optimizer 20,000 times a setting | calls `rate` |
+# | `run_epoch` (behaviour) | the rate stepped every micro-batch | once per optimizer step (at `accum_iter=10`, a 10× longer warm-up) |
+# | [rate chart](#Part-2:-Model-training) | stepped an optimizer 20,000 times | calls `rate` |
 # | [label smoothing](#Part-2:-Model-training) | log of an exact zero: NaN | `safe_log` clamps |
 # | [copy task](#A-first-example:-learning-to-copy) | decoded from the padding id | start 1, padding 0 |
+
+
+# %% [markdown]
+# In Parts 3 and 4:
+#
+# | Where | 2018/2022 notebook | Here |
+# |---|---|---|
 # | [Multi30k](#Part-3:-A-real-example-—-German-to-English-on-Multi30k) | torchtext, from a host now gone; spaCy models | the project's files, SHA-256 checked; `spacy.blank` |
 # | [vocabulary](#Vocabulary) | counted validation and test words | the training split only |
 # | [batches](#Batches-with-minimal-padding) | 32 sentences padded to 72 | token budgets, similar lengths |
 # | [`average`](#Checkpoint-averaging) | could not run (`m.params()`) | modules or state dicts |
-# | [Part 4](#Part-4:-Additional-components) | beam search left to OpenNMT, subwords to subword-nmt; a broken shared-embedding snippet | all three run; subwords learned by Hugging Face `tokenizers` |
+# | [Part 4](#Part-4:-Additional-components) | beam search and subwords left to OpenNMT and subword-nmt; a broken shared-embedding snippet | all three run; `tokenizers` learns the subwords |
 
 
 # %% [markdown]
