@@ -804,16 +804,18 @@ show_example(example_attention_by_hand)
 
 # %%
 class PositionwiseFeedForward(nn.Module):
-    """FFN(x) = W_2 · dropout(ReLU(W_1 x + b_1)) + b_2, at every position."""
+    """FFN(x) = W_2 · dropout(activation(W_1 x + b_1)) + b_2, at every position;
+    the paper's activation is ReLU."""
 
-    def __init__(self, d_model, d_ff, dropout=0.1):
+    def __init__(self, d_model, d_ff, dropout=0.1, activation=F.relu):
         super().__init__()
         self.w_1 = nn.Linear(d_model, d_ff)
         self.w_2 = nn.Linear(d_ff, d_model)
         self.dropout = nn.Dropout(dropout)
+        self.activation = activation  # a function: the state dict has no entry
 
     def forward(self, x):
-        return self.w_2(self.dropout(self.w_1(x).relu()))
+        return self.w_2(self.dropout(self.activation(self.w_1(x))))
 
 
 # %% [markdown]
@@ -950,7 +952,9 @@ show_example(example_positional_bases)
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
-def check_sizes(src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout, **options):
+def check_sizes(
+    src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout, activation=F.relu, **options
+):
     """Raise a ValueError naming the first of make_model's settings it cannot build."""
     check_positive_int(
         src_vocab=src_vocab, tgt_vocab=tgt_vocab, N=N, d_model=d_model, d_ff=d_ff, h=h
@@ -966,6 +970,8 @@ def check_sizes(src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout, **options):
     init = options["embedding_init"]
     known = f"embedding_init must be 'glorot' or 'normal', got {init!r}."
     require(init in (None, "glorot", "normal"), known)
+    what = f"activation must be a function such as F.relu, got {activation!r}."
+    require(callable(activation), what)
 
 
 # %%
@@ -1003,15 +1009,17 @@ def make_model(
     tie_generator=False,
     embedding_init=None,
     max_len=5000,
+    activation=F.relu,
 ):
     """An EncoderDecoder (N layers a stack, h heads, widths d_model and d_ff); options:
-    norm_first, share_embeddings, tie_generator, embedding_init, max_len (as above)."""
+    norm_first, share_embeddings, tie_generator, embedding_init, max_len, activation
+    (the feed-forward layers' function)."""
     sizes = (src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout)
     options = dict(share_embeddings=share_embeddings, embedding_init=embedding_init)
-    check_sizes(*sizes, max_len=max_len, **options)
+    check_sizes(*sizes, max_len=max_len, activation=activation, **options)
     c = copy.deepcopy
     attn = MultiHeadedAttention(h, d_model, dropout)
-    ff = PositionwiseFeedForward(d_model, d_ff, dropout)
+    ff = PositionwiseFeedForward(d_model, d_ff, dropout, activation)
     position = PositionalEncoding(d_model, dropout, max_len)
     encoder_layer = EncoderLayer(d_model, c(attn), c(ff), dropout, norm_first)
     decoder_layer = DecoderLayer(d_model, c(attn), c(attn), c(ff), dropout, norm_first)

@@ -1340,3 +1340,29 @@ def test_the_maps_claim_a_third_of_the_features_turn_within_128_positions_at_100
     assert int((wavelength <= 128).sum()) == turning
     if base == 10000.0:
         assert wavelength[64:].min() >= 628
+
+
+def test_the_feed_forward_activation_is_an_argument_with_no_weights_of_its_own():
+    """make_model(activation=F.silu) puts SiLU between the two linear layers of every
+    feed-forward network, with the state dict of the default (ReLU) model."""
+    torch.manual_seed(0)
+    sizes = dict(N=1, d_model=8, d_ff=16, h=2, dropout=0.0)
+    relu = tat.make_model(11, 11, **sizes).double()
+    silu = tat.make_model(11, 11, **sizes, activation=F.silu).double()
+    silu.load_state_dict(relu.state_dict())  # the same weights, names and shapes
+    ff = silu.encoder.layers[0].feed_forward
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    hidden = ff.w_1(x)
+    swish = hidden * torch.sigmoid(hidden)  # SiLU written out
+    # F.silu and the line above each round a few times (exp, the sum, the quotient
+    # or the product: at most 4 roundings of u = 2^-53, relative); W_2 then sums
+    # those values' errors, weighted by |W_2|, on top of the same float64 products.
+    bound = 4 * 2.0**-53 * (swish.abs() @ ff.w_2.weight.abs().T)
+    assert ((ff(x) - ff.w_2(swish)).abs() <= bound).all()
+    relu_ff = relu.encoder.layers[0].feed_forward  # the same weights, and ReLU
+    assert torch.equal(relu_ff(x), ff.w_2(hidden.clamp(min=0)))
+    assert not torch.allclose(ff(x), relu_ff(x))
+    with pytest.raises(
+        ValueError, match="activation must be a function such as F.relu"
+    ):
+        tat.make_model(11, 11, **sizes, activation="swish")
