@@ -2175,11 +2175,10 @@ show_example(example_inference_bugs)
 # %% [markdown]
 # ## Part 3: A real example — German to English on Multi30k
 #
-# A real task: German→English on [Multi30k](https://github.com/multi30k/dataset)
-# (task 1), image captions: 29,000 sentence pairs for training, 1,014 for validation,
-# 1,000 for testing (`test_2016_flickr`). The paper trained on 4.5 million pairs of
-# WMT 2014 (§5.1); Multi30k fits a laptop CPU. Six steps: pairs, tokens, a
-# vocabulary, batches, training, translating.
+# [Multi30k](https://github.com/multi30k/dataset) (task 1) holds image captions:
+# 29,000 sentence pairs for training, 1,014 for validation, 1,000 for testing
+# (`test_2016_flickr`). The paper trained on 4.5 million pairs of WMT 2014 (§5.1);
+# Multi30k fits a laptop CPU.
 #
 # ### Pairs
 #
@@ -2204,12 +2203,11 @@ def read_split(folder, split):
 
 
 # %% [markdown]
-# The folded cells fetch the six files (1.3 MB) from the Multi30k repository once,
-# into this repository's `data/multi30k` (or, run elsewhere, the user's cache
-# `~/.cache/annotated-transformer/multi30k`), keeping a file only
-# if its SHA-256 digest is the published one. `notebook_data_dir` returns that folder,
-# or the one `ANNOTATED_TRANSFORMER_DATA` names; without either it says why in one
-# line and returns `None`, and the examples that need the data skip.
+# The folded cells fetch the six files (1.3 MB) once into this repository's
+# `data/multi30k` (run elsewhere, `~/.cache/annotated-transformer/multi30k`), keeping
+# a file only if its SHA-256 digest is the published one. `notebook_data_dir`
+# returns that folder, or the one `ANNOTATED_TRANSFORMER_DATA` names; without either
+# it says why, and the examples that need the data skip.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -2722,12 +2720,11 @@ def decode_ids(model, src_ids, decode=greedy_decode, max_extra=50, **options):
 
 
 # %% [markdown]
-# `Translator` bundles a trained model with its vocabularies. It decodes German
-# sentences in batches of similar length and returns English text (joined by the
-# folded `TranslatorText`) in the input order. Training cut sentences to 72 ids;
-# translating does not: the model takes up to the 5,000 positions of its positional
-# encoding (a longer input gets an error saying so), though training never showed it
-# a position past 72.
+# `Translator` bundles a trained model with its vocabularies and translates German
+# sentences, in batches of similar length, into English text in the input order.
+# Training cut sentences to 72 ids; translating does not: the model takes up to its
+# positional encoding's 5,000 positions (refusing longer input), though training never
+# showed it a position past 72.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -2789,10 +2786,8 @@ class Translator(TranslatorText):
 # ### Your run
 #
 # The cell below trains the chosen profile, printing each epoch's validation
-# perplexity. With `quick`, expect about 26 BLEU on test 2016, greedy (Part 5 scores
-# it). The README's 38.40 greedy and 39.73 with beam search come from another
-# recipe, the workshop's `multi30k` profile, which `make multi30k` reproduces; [Part
-# 5](#Your-model,-and-the-multi30k-recipe) says how it differs.
+# perplexity. [Part 5](#Your-model,-and-the-multi30k-recipe) scores it, and says where
+# the README's higher scores come from.
 
 
 # %%
@@ -2840,7 +2835,6 @@ show_example(example_multi30k, translator, data_dir)
 # The paper's scores rest on more than Parts 1–3 show: one subword vocabulary for
 # both languages and one matrix for the embeddings and the output (§3.4, §5.1), beam
 # search and checkpoint averaging (§6.1). We add a key/value cache for fast decoding.
-# Each one runs here and is tested; Hugging Face's `tokenizers` learns the subwords.
 
 
 # %% [markdown]
@@ -2862,8 +2856,8 @@ show_example(example_multi30k, translator, data_dir)
 #
 # Learned from both languages at once (*joint* BPE), an id means the same string on
 # both sides, so one matrix can serve all three uses ([Press and Wolf,
-# 2017](https://arxiv.org/abs/1608.05859)). The paper does both: about 37,000 shared
-# tokens for English–German (§5.1), one matrix (§3.4).
+# 2017](https://arxiv.org/abs/1608.05859)). The paper uses about 37,000 shared tokens
+# for English–German (§5.1).
 #
 # > **Note (our choices).** The folded `learn_bpe` hands the learning to Hugging
 # > Face's [`tokenizers`](https://huggingface.co/docs/tokenizers) (its `BpeTrainer`),
@@ -2957,9 +2951,8 @@ show_example(example_subwords, data_dir)
 # %% [markdown]
 # `make_model(V, V, share_embeddings=True, tie_generator=True)` points the three
 # matrices at one tensor: $2 \times V \times d_{\text{model}}$ fewer parameters. The
-# cell counts them at the sizes of Part 5's `multi30k` run: $d_{\text{model}} = 256$
-# (the quick profile's is 128) and the same $d_{ff} = 512$, so its feed-forward layer
-# widens by 2, not by §3.3's 4.
+# cell counts them at the sizes of Part 5's `multi30k` run: $d_{\text{model}} = 256$,
+# $d_{ff} = 512$ (a feed-forward widening of 2, not §3.3's 4).
 
 
 # %%
@@ -3198,15 +3191,13 @@ show_example(example_cache, translator, data_dir)
 # $$\mathrm{score}(Y) = \frac{\log P(Y \mid X)}{lp(Y)}, \qquad
 #   lp(Y) = \left(\frac{5 + |Y|}{6}\right)^{\alpha}.$$
 #
-# Our defaults are the paper's (§6.1): $k = 4$, $\alpha = 0.6$, at most the input's
-# length plus 50.
+# Our defaults are the paper's (§6.1): $k = 4$, $\alpha = 0.6$.
 #
 # `beam_search` searches a batch: the $k$ hypotheses of $B$ sentences are $B \cdot k$
-# rows of one decoder batch, and after each step the cache is reordered so that each
-# row keeps its hypothesis's cache. `next_beams` walks a sentence's best $2k$
-# extensions (at most $k$ end, so $k$ go on); an ending counts as finished only if it
-# ranks among the best $k$. With `beam_size=1` it makes greedy decoding's choices
-# (tested). `steps=[]` records each step's beam.
+# rows of one decoder batch, the cache reordered after each step. `next_beams` walks
+# a sentence's best $2k$ extensions (at most $k$ end, so $k$ go on); an ending counts
+# as finished only if it ranks among the best $k$. With `beam_size=1` it makes greedy
+# decoding's choices (tested). `steps=[]` records each step's beam.
 
 
 # %%
@@ -3460,11 +3451,11 @@ def load_weights(model, state_dict):
 #
 # ### BLEU
 #
-# [BLEU](https://aclanthology.org/P02-1040/) (Papineni et al., 2002) counts a
-# translation's word n-grams that also occur in a reference. For $n = 1, \dots, 4$,
-# $p_n$ is the share of the output's n-grams found in the reference, each reference
-# n-gram matching at most as often as it occurs there ("the the the" earns one match),
-# counted over the whole test set. A brevity penalty keeps short output from winning:
+# [BLEU](https://aclanthology.org/P02-1040/) (Papineni et al., 2002) compares word
+# n-grams with a reference: for $n = 1, \dots, 4$, $p_n$ is the share of the
+# output's n-grams found in the reference, each reference n-gram matching at most as
+# often as it occurs there ("the the the" earns one match), counted over the whole
+# test set. A brevity penalty keeps short output from winning:
 # with $c$ the output's total length and $r$ the references',
 #
 # $$\text{BLEU} = \text{BP} \cdot \exp\Big(\frac{1}{4} \sum_{n=1}^{4} \log p_n\Big),
@@ -3495,8 +3486,8 @@ def bleu(translator, pairs, **options):
 # %% [markdown]
 # ### The paper's results (§6.1, Table 2)
 #
-# BLEU on newstest2014, and the training cost in floating-point operations (training
-# time × GPUs × 9.5 TFLOPS a P100):
+# BLEU on newstest2014 (not comparable with ours), and the training cost in
+# floating-point operations (training time × GPUs × 9.5 TFLOPS a P100):
 #
 # | Model | BLEU En→De | BLEU En→Fr | Training cost En→De (FLOPs) | Training cost En→Fr (FLOPs) |
 # |---|---|---|---|---|
@@ -3506,17 +3497,16 @@ def bleu(translator, pairs, **options):
 # | Transformer, base | 27.3 | 38.1 | $3.3 \cdot 10^{18}$ | $3.3 \cdot 10^{18}$ |
 # | Transformer, big | 28.4 | 41.8 | $2.3 \cdot 10^{19}$ | $2.3 \cdot 10^{19}$ |
 #
-# The scores are on WMT 2014 news, not comparable with ours. The big model beat every
-# earlier one in both directions, the base model on English→German only, at a
-# fraction of their cost.
+# The big model beat every earlier one in both directions, the base model on
+# English→German only, at a fraction of their cost.
 
 
 # %% [markdown]
 # ### Your model, and the `multi30k` recipe
 #
-# Part 3's model is scored below on the 2016 test set (1,000 sentences), greedily,
-# with Part 4's cache. With the `quick` profile expect **about 26** (docs/results.md:
-# 26.24 for the notebook's run).
+# Part 3's model is scored below on the 2016 test set, greedily, with Part 4's
+# cache. With the `quick` profile expect **about 26** (docs/results.md: 26.24 for
+# the notebook's run).
 #
 # The README's **38.40** greedy and **39.73** with beam search come from another
 # model, the `multi30k` recipe (results/multi30k.json):
@@ -3525,11 +3515,11 @@ def bleu(translator, pairs, **options):
 # |---|---|---|---|---|---|---|
 # | `multi30k` | 6.0 M | 8 min, 8 epochs | CPU: AMD EPYC, 2 cores, 2 threads | 5.57 | 38.40 | 39.73 (beam 6, α 2) |
 #
-# `make multi30k` reproduces it (12 minutes in all on that CPU, with its bfloat16
-# instructions; about an hour on one without). It trains 3 layers of
-# $d_{\text{model}} = 256$ on Part 4's joint subwords, one matrix for both embeddings
-# and the generator, for a fixed budget of FLOPs; it picks the checkpoint average, the
-# beam size and $\alpha$ on the validation split, then translates the test set once.
+# `make multi30k` reproduces it (12 minutes on that CPU, which has bfloat16
+# instructions; about an hour without). It trains 3 layers of
+# $d_{\text{model}} = 256$ on Part 4's joint subwords with one tied matrix, for a
+# fixed budget of FLOPs; it picks the checkpoint average, the beam size and $\alpha$
+# on the validation split, then translates the test set once.
 #
 # *Why it scores higher* (docs/results.md has every attempt). Subwords leave no word
 # unknown; tying takes the model from 10.1 M parameters to 6.0 M; the tied matrix
@@ -3559,13 +3549,12 @@ show_example(example_results, translator, data_dir)
 # %% [markdown]
 # ### Attention visualisation
 #
-# Each head of each attention layer computes weights
-# $\operatorname{softmax}(QK^\top / \sqrt{d_k})$ (Eq. 1): row $i$ says how much query
-# $i$ draws from each key $j$, and sums to 1. We draw them as heat maps (queries as
-# rows) for the three uses of attention (§3.2.3): encoder self-attention, decoder
-# self-attention (zero above the diagonal: the look-ahead mask) and decoder–source
-# attention, the nearest thing to a word alignment, shifted by one: a target token's
-# row is the query that chose the *next* word.
+# Every attention head computes weights $\operatorname{softmax}(QK^\top / \sqrt{d_k})$
+# (Eq. 1): row $i$ says how much query $i$ draws from each key $j$, and sums to 1.
+# We draw them as heat maps for the three uses of attention (§3.2.3): encoder
+# self-attention, decoder self-attention (zero above the diagonal: the look-ahead
+# mask) and decoder–source attention, the nearest thing to a word alignment, shifted
+# by one: a target token's row is the query that chose the *next* word.
 #
 # Heads often specialise: on the previous or next token, over the whole sentence, or
 # on punctuation ([Clark et al., 2019](https://arxiv.org/abs/1906.04341);
@@ -3659,8 +3648,8 @@ def chart_attention_heads(table, kind):
 
 # %% [markdown]
 # Every head of every layer at once, a grid for each kind of attention
-# (`chart_attention_heads`, folded with the table and chart helpers above). Which
-# heads spread their weight, which look at a neighbour, which pick out one word?
+# (`chart_attention_heads`, folded). Which heads spread their weight, which look at
+# a neighbour, which pick out one word?
 
 
 # %%
@@ -3746,7 +3735,7 @@ show_example(example_attention_maps, translator)
 # | [vocabulary](#Vocabulary) | counted validation and test words | the training split only |
 # | [batches](#Batches-with-minimal-padding) | 32 sentences padded to 72 | token budgets, similar lengths |
 # | [`average`](#Checkpoint-averaging) | could not run (`m.params()`) | modules or state dicts |
-# | [Part 4](#Part-4:-Additional-components) | beam search and subwords left to OpenNMT and subword-nmt; a broken shared-embedding snippet | all three run; `tokenizers` learns the subwords |
+# | [Part 4](#Part-4:-Additional-components) | beam search and subwords left to OpenNMT and subword-nmt; a broken shared-embedding snippet | all three run |
 
 
 # %% [markdown]
@@ -3796,8 +3785,7 @@ class DummyOptimizer(DummyScheduler):
 # %% [markdown]
 # ## Appendix
 #
-# Proofs and equivalences a first reading can skip. They run and are tested like the
-# rest of the book.
+# Proofs and equivalences a first reading can skip.
 
 # %% [markdown]
 # ### Appendix A: the same computation as PyTorch's own Transformer
