@@ -21,10 +21,10 @@
 # in PyTorch, after Harvard NLP's
 # [Annotated Transformer](https://nlp.seas.harvard.edu/annotated-transformer/) (2018,
 # revised 2022), whose public names and example code still work here. Each component
-# names the paper's section and equation, as in *§3.2.1, Eq. (1)*, so you can read it
-# with the paper open. The prose is ours; our own asides are block quotes that start
-# with **Note**, or sentences that start *Our choice:* or *Our reading:*. Folded cells
-# hold support you need not read. How to run the book
+# cites the paper's section and equation (*§3.2.1, Eq. (1)*). The prose is ours; our
+# asides are block quotes that start with **Note**, or sentences that start *Our
+# choice:* or *Our reading:*. Folded cells hold support you need not read. How to run
+# the book
 # ([in Colab](https://colab.research.google.com/github/annotated-transformer/annotated-transformer/blob/main/notebooks/the_annotated_transformer.ipynb),
 # JupyterLab, a script, a library) and what its two environment variables change:
 # [docs/notebook.md](https://github.com/annotated-transformer/annotated-transformer/blob/main/docs/notebook.md).
@@ -37,10 +37,8 @@
 #    [a first example: learning to copy](#A-first-example:-learning-to-copy) and
 #    [what goes wrong: the classic bugs](#What-goes-wrong:-the-classic-bugs)
 # 3. [Part 3: A real example — German to English on Multi30k](#Part-3:-A-real-example-—-German-to-English-on-Multi30k)
-# 4. [Part 4: Additional components](#Part-4:-Additional-components): subwords, the
-#    key/value cache, beam search, checkpoint averaging
-# 5. [Part 5: Results](#Part-5:-Results): BLEU, your model beside the `multi30k`
-#    recipe, attention maps
+# 4. [Part 4: Additional components](#Part-4:-Additional-components)
+# 5. [Part 5: Results](#Part-5:-Results)
 # 6. [Conclusion](#Conclusion), [what changed from the 2018/2022
 #    notebook](#What-changed-from-the-2018/2022-notebook) and the
 #    [Appendix](#Appendix)
@@ -163,8 +161,7 @@ def check_positive_int(**sizes):
 # [earlier reading models](https://arxiv.org/abs/1601.06733), links every pair of
 # positions in one step. The Transformer is the first translation model in which
 # positions exchange information through attention alone: no recurrence, and no
-# convolution across positions (its feed-forward layer, Part 1, works on each
-# position by itself).
+# convolution across positions.
 #
 # The paper's Table 1 compares the layers for a sequence of length $n$,
 # representation size $d$ and convolution kernel width $k$:
@@ -332,9 +329,8 @@ def clones(module, N):
 # %% [markdown]
 # #### Layer normalisation
 #
-# Each sub-layer's output is normalised
-# ([Ba et al., 2016](https://arxiv.org/abs/1607.06450)); for the vector
-# $x \in \mathbb{R}^{d}$ of one position,
+# LayerNorm ([Ba et al., 2016](https://arxiv.org/abs/1607.06450)) normalises the
+# vector $x \in \mathbb{R}^{d}$ of one position:
 #
 # $$\mathrm{LayerNorm}(x) = a \odot \frac{x - \mu}{\sqrt{\sigma^2 + \epsilon}} + b,
 # \qquad \mu = \frac{1}{d}\sum_i x_i, \quad \sigma^2 = \frac{1}{d}\sum_i (x_i - \mu)^2,$$
@@ -387,9 +383,8 @@ show_example(example_layer_vs_batch_norm)
 #
 # Each sub-layer sits inside a residual connection
 # ([He et al., 2016](https://arxiv.org/abs/1512.03385)), with dropout on its output
-# (*§5.4*; dropout zeroes each element with probability $p$ in training and scales
-# the rest by $1/(1-p)$). The paper normalises *after* the addition (post-norm), the
-# 2018 notebook the sub-layer's *input* (pre-norm):
+# (*§5.4*). The paper normalises *after* the addition (post-norm), the 2018 notebook
+# the sub-layer's *input* (pre-norm):
 #
 # $$\text{post:}\ \mathrm{LayerNorm}\big(x + \mathrm{Dropout}(\mathrm{Sublayer}(x))\big), \qquad
 # \text{pre:}\ x + \mathrm{Dropout}\big(\mathrm{Sublayer}(\mathrm{LayerNorm}(x))\big).$$
@@ -652,8 +647,8 @@ show_example(example_why_scale)
 # %% [markdown]
 # ### Multi-head attention (§3.2.2)
 #
-# One attention averages what it reads into one vector. Multi-head attention runs $h$
-# of them side by side, each on its own learned projection to width
+# Multi-head attention runs $h$ attentions side by side, each on its own learned
+# projection to width
 # $d_k = d_v = d_{\text{model}}/h$ (the paper: $h = 8$, $d_k = 64$), so each can
 # attend to something different:
 #
@@ -778,8 +773,7 @@ show_example(example_attention_by_hand)
 # %% [markdown]
 # ### The three uses of attention in the model (§3.2.3)
 #
-# The same class serves three places; they differ in where queries, keys and values
-# come from, and in the mask (batch `B`, `n` source and `m` target tokens):
+# The same class serves three places (batch `B`, `n` source and `m` target tokens):
 #
 # | Where | Queries | Keys and values | Mask | Weights |
 # |---|---|---|---|---|
@@ -947,8 +941,7 @@ show_example(example_positional_bases)
 # post-norm; `share_embeddings` (one vocabulary) and `tie_generator`, the paper's
 # sharing (§3.4); `embedding_init`, `"glorot"` or `"normal"` ($\mathcal{N}(0,
 # 1/d_{\text{model}})$, the default when a matrix is shared); `max_len`. It refuses
-# sizes it cannot build with a one-line message (the folded cell), as the model does
-# masks it would misread and the positional encoding an input longer than `max_len`.
+# sizes it cannot build with a one-line message (the folded cell).
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -1103,9 +1096,8 @@ show_example(run_tests)
 # %% [markdown]
 # ## Part 2: Model training
 #
-# What trains the model (§5): batches with their masks, a loop over one epoch, the
-# optimizer with its schedule, and label smoothing; then a task a laptop CPU learns
-# in about a minute: copying a random sequence of symbols.
+# What trains the model (§5), then a task a laptop CPU learns in about a minute:
+# copying a random sequence of symbols.
 #
 # ### Batches and masking
 #
@@ -1118,9 +1110,9 @@ show_example(run_tests)
 #
 # `Batch(src, tgt, pad=2)` keeps the original notebook's signature (2 is `<blank>`
 # in Part 3; the copy task passes `pad=0`). The folded cell refuses ids that are not
-# 2-D integer tensors and a target row that starts with padding, whose first
-# position would see no word. It warns where the pad id comes before a real token,
-# as when a real token has id 2 and `pad=` was forgotten.
+# 2-D integer tensors and a target row that starts with padding (its first position
+# would see no word); it warns where the pad id comes before a real token, as after
+# a forgotten `pad=`.
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -1255,10 +1247,10 @@ show_example(example_padded_batch)
 # micro-batches (a *group*) before each optimizer step. Each micro-batch's summed
 # loss is divided by its whole group's target tokens, so the group's gradients add
 # up to the gradient of its mean loss: the step of one batch holding them all. The
-# loop lists the epoch's batches first, to know where the last group ends, and steps
-# the schedule once per optimizer step. `mode="eval"` computes no gradients and
-# returns the plain negative log-likelihood per token (its exponential is the
-# perplexity). `TrainState` counts the work done across epochs.
+# loop lists the epoch's batches first, to know where the last group ends.
+# `mode="eval"` computes no gradients and returns the plain negative log-likelihood
+# per token (its exponential is the perplexity). `TrainState` counts the work done
+# across epochs.
 
 
 # %%
@@ -1593,8 +1585,7 @@ show_example(chart_penalization)
 # ### Synthetic data
 #
 # `data_gen` makes batches of random sequences over the symbols 1 to $V-1$. Each
-# starts with the start symbol 1; 0 is padding, which the data never holds. Source
-# and target are the same sequence.
+# starts with the start symbol 1; 0 is padding, which the data never holds.
 
 # %%
 COPY_START, COPY_PAD = 1, 0
@@ -1886,9 +1877,8 @@ def example_simple_model(config=None, *, quiet=False, device=None):
 
 
 # %% [markdown]
-# How the trained model writes one copy: at each step the decoder reads the source
-# (through the memory) and the prefix so far, and the generator's most likely token
-# is appended, printed with its probability.
+# How the trained model writes one copy: each prefix and the most likely next token,
+# with its probability.
 
 
 # %%
@@ -1975,8 +1965,7 @@ show_example(example_layouts)
 #
 # *Our section.* Transformer tutorials' issue trackers, this book's ancestor's
 # included, collect the same few one-line slips. Each example below switches one on
-# (an argument of an example function, or a small subclass) and prints one
-# measurement with the bug, then on the book's path.
+# and prints one measurement with the bug, then on the book's path.
 #
 # | Bug | Symptom | Met in |
 # |---|---|---|
