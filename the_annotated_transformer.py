@@ -940,8 +940,9 @@ show_example(example_positional_bases)
 # the paper does not say. Beyond the 2018 signature: `norm_first=False`, the paper's
 # post-norm; `share_embeddings` (one vocabulary) and `tie_generator`, the paper's
 # sharing (§3.4); `embedding_init`, `"glorot"` or `"normal"` ($\mathcal{N}(0,
-# 1/d_{\text{model}})$, the default when a matrix is shared); `max_len`. It refuses
-# sizes it cannot build with a one-line message (the folded cell).
+# 1/d_{\text{model}})$, the default when a matrix is shared); `max_len`; `activation`,
+# the feed-forward function (ReLU). It refuses sizes it cannot build with a one-line
+# message (the folded cell).
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
