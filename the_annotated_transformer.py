@@ -3362,9 +3362,9 @@ def example_beam_tree(translator, data_dir, index=0, k=4, alphas=(0.6, 2.0)):
     model, words = translator.model, translator.vocab_tgt.lookup_tokens
     src_ids = translator.encode([read_split(data_dir, "val")[index][0]])[0]
     src = torch.tensor([src_ids], device=next(model.parameters()).device)
+    search = (None, len(src_ids) + 50, BOS, EOS, k)  # one sentence: no mask
     for alpha in alphas:
         steps = []  # each step's beam: the same for every alpha
-        search = (None, len(src_ids) + 50, BOS, EOS, k)  # one sentence: no mask
         found = beam_search(model, src, *search, alpha=alpha, n_best=k, steps=steps)
         finished = [(score, ids) for ids, score in found[0]]  # best first
         print(f"α = {alpha} picks: {' '.join(words(finished[0][1]))}")
@@ -3888,7 +3888,8 @@ def example_first_loss_prediction():
     """The predicted first loss beside the mean of three initialisations'."""
     for V in (11, 1000):
         predicted, s2 = first_loss_prediction(V)
-        measured = sum(first_losses(V)) / 3
+        losses = first_losses(V)
+        measured = sum(losses) / len(losses)
         print(
             f"V = {V:4d}: predicted {predicted:.3f} (s² = {s2:.2f}), first loss "
             f"{measured:.3f} (mean of 3); ln V = {math.log(V):.3f}"

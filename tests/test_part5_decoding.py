@@ -268,11 +268,8 @@ def test_the_cache_picture_computes_one_position_a_step_and_doubles_its_buffer(
 def beam_steps(model, src_ids, k, alpha):
     """beam_search of one sentence, recording its steps: its k finished (score, ids),
     best first, and each step's beam, the live (ids, log P) rows, best first."""
-    steps, src, ends = (
-        [],
-        torch.tensor([src_ids]),
-        (len(src_ids) + 50, tat.BOS, tat.EOS),
-    )
+    steps, src = [], torch.tensor([src_ids])
+    ends = (len(src_ids) + 50, tat.BOS, tat.EOS)
     options = dict(alpha=alpha, n_best=k, steps=steps)
     (found,) = tat.beam_search(model, src, None, *ends, k, **options)
     beams = [

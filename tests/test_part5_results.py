@@ -434,7 +434,7 @@ def test_the_papers_costs_follow_from_its_hardware_and_the_books_ratios_from_the
     assert all(big[0] > r[0] and big[1] > r[1] for r in earlier)  # beat in both
     assert all(base[0] > r[0] for r in earlier) and any(base[1] < r[1] for r in earlier)
     assert all(base[2] < r[2] / 2 for r in earlier)  # a fraction, En-De
-    text = " ".join(line.removeprefix("# ") for line in book.splitlines())
+    text = book.replace("\n# ", " ")  # prose unwrapped
     assert "the base model on English→German only, at a fraction of their cost" in text
 
 
