@@ -38,7 +38,8 @@
 #    [what goes wrong: the classic bugs](#What-goes-wrong:-the-classic-bugs)
 # 3. [Part 3: A real example — German to English on Multi30k](#Part-3:-A-real-example-—-German-to-English-on-Multi30k)
 # 4. [Part 4: Additional components](#Part-4:-Additional-components)
-# 5. [Part 5: Results](#Part-5:-Results)
+# 5. [Part 5: Results](#Part-5:-Results) and
+#    [the same classes, trained by others](#The-same-classes,-trained-by-others)
 # 6. [Conclusion](#Conclusion), [what changed from the 2018/2022
 #    notebook](#What-changed-from-the-2018/2022-notebook) and the
 #    [Appendix](#Appendix)
@@ -59,6 +60,8 @@ import base64
 import contextlib
 import copy
 import functools
+import importlib
+import json
 import math
 import numbers
 import os
@@ -3688,6 +3691,351 @@ show_example(example_attention_maps, translator)
 
 
 # %% [markdown]
+# ## The same classes, trained by others
+#
+# Are Part 1's classes what real translators run? The
+# [OPUS-MT](https://github.com/Helsinki-NLP/Opus-MT) models (Tiedemann and
+# Thottingal, 2020), trained with [Marian](https://marian-nmt.github.io/) on millions
+# of sentence pairs, are the paper's base model, post-norm, with one matrix for both
+# embeddings and the output. Their weights load into `make_model` with four changes
+# and no new layer:
+#
+# | Marian | Part 1 | What absorbs it |
+# |---|---|---|
+# | SiLU (swish) in the feed-forward layers | ReLU | `make_model(activation=F.silu)` |
+# | sinusoids: every sine, then every cosine | interleaved | the features reordered |
+# | LayerNorm $\epsilon = 10^{-5}$ | $10^{-6}$ | set on loading |
+# | `</s>` 0, `<unk>` 1, `<pad>` last, which also starts each output | our specials at 0–3 | the vocabulary's rows reordered |
+#
+# The files hold no positional table (Marian computes its own); ours is used, and
+# the features must follow its order. Reordering them changes nothing the model
+# computes, provided every weight follows: a matrix that reads the residual stream
+# (the query, key and value projections, $W_1$, the embeddings) takes its columns in
+# the new order; one that writes to it ($W^O$, $W_2$) its rows, and so do the
+# LayerNorms' gains and biases, since a mean and a variance ignore the order.
+# `marian_layout` applies the rule to one weight.
+
+
+# %%
+def marian_layout(name, weight, d_model):
+    """A Marian weight (under our name), its features in our order."""
+    P = torch.arange(d_model).view(2, -1).t().flatten()  # our feature j: Marian's P[j]
+    if any(part in name for part in ("linears.3.", "w_2.", "norm.")):
+        return weight[P]  # writes the features (or scales them): its rows
+    if weight.dim() == 2:  # reads them (q, k, v, w_1), or is a table of them
+        return weight[:, P]
+    return weight  # the other biases live in other spaces
+
+
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+MARIAN_NAMES = (  # (a part of a weight's name in Marian's files, the same in ours)
+    ("model.", ""),
+    ("shared.", "tgt_embed.0.lut."),  # the one matrix; the next three are its copies
+    ("encoder.embed_tokens.", "src_embed.0.lut."),
+    ("decoder.embed_tokens.", "tgt_embed.0.lut."),
+    ("lm_head.", "generator.proj."),
+    ("final_logits_bias", "generator.proj.bias"),
+    ("encoder.embed_positions.weight", "src_embed.1.pe"),
+    ("decoder.embed_positions.weight", "tgt_embed.1.pe"),
+    *((f"{x}_proj.", f"linears.{i}.") for i, x in enumerate(("q", "k", "v", "out"))),
+    ("encoder_attn.", "src_attn."),
+    ("fc1.", "feed_forward.w_1."),
+    ("fc2.", "feed_forward.w_2."),
+    ("self_attn_layer_norm.", "sublayer.0.norm."),
+    ("encoder_attn_layer_norm.", "sublayer.1.norm."),
+    (
+        "final_layer_norm.",
+        "sublayer.{}.norm.",
+    ),  # 1 in an encoder layer, 2 in a decoder's
+    ("norm.weight", "norm.a_2"),
+    ("norm.bias", "norm.b_2"),
+)
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+ACTIVATIONS = {"swish": F.silu, "silu": F.silu, "relu": F.relu, "gelu": F.gelu}
+MARIAN_RUNS = {  # config.json's entry: (its default, the values Part 1's classes run)
+    "model_type": (None, ("marian",)),
+    "activation_function": ("gelu", tuple(ACTIVATIONS)),
+    "normalize_before": (False, (False,)),  # post-norm
+    "add_final_layer_norm": (False, (False,)),
+    "normalize_embedding": (False, (False,)),
+    "scale_embedding": (False, (True,)),  # Embeddings multiply by sqrt(d_model)
+    "share_encoder_decoder_embeddings": (True, (True,)),
+    "tie_word_embeddings": (True, (True,)),
+}
+MARIAN_SIZES = ("layers", "ffn_dim", "attention_heads")  # encoder_*, decoder_*
+MARIAN_INTS = ("d_model", "vocab_size", "max_position_embeddings", "eos_token_id")
+MARIAN_INTS += ("pad_token_id", "decoder_start_token_id")
+MARIAN_FILES = ("config.json", "vocab.json", "source.spm", "target.spm")
+MARIAN_WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # the first one found
+
+
+def marian_name(name):
+    """Our name for the Marian weight `name`."""
+    name = functools.reduce(lambda n, pair: n.replace(*pair), MARIAN_NAMES, name)
+    return name.format(1 if name.startswith("encoder") else 2)
+
+
+def check_marian(config, source="the model"):
+    """Raise a ValueError, in one line, unless `config` (a config.json's dict) is a
+    Marian model that make_model can build."""
+    for key, (default, runs) in MARIAN_RUNS.items():
+        value, allowed = config.get(key, default), " or ".join(map(repr, runs))
+        why = f"{source}: {key} is {value!r}, where Part 1's classes run {allowed}"
+        require(value in runs, f"{why}: not the architecture this loader reads.")
+    sides = [
+        f"{side}_{size}" for size in MARIAN_SIZES for side in ("encoder", "decoder")
+    ]
+    for key in (*sides, *MARIAN_INTS):
+        require(type(config.get(key)) is int, f"{source}: config.json has no {key}.")
+    for size in MARIAN_SIZES:
+        sizes = config[f"encoder_{size}"], config[f"decoder_{size}"]
+        differ = f"{source}: encoder_{size} {sizes[0]} and decoder_{size} {sizes[1]}"
+        require(sizes[0] == sizes[1], f"{differ} differ; make_model builds both alike.")
+
+
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+def marian_model(config, vocab_size):
+    """make_model at a Marian config's sizes and activation, post-norm, with one
+    shared matrix and every LayerNorm's eps 1e-5 (PyTorch's default, Marian's)."""
+    check_marian(config)
+    names = ("encoder_layers", "d_model", "encoder_ffn_dim", "encoder_attention_heads")
+    options = dict(norm_first=False, share_embeddings=True, tie_generator=True)
+    options.update(max_len=config["max_position_embeddings"])
+    options.update(activation=ACTIVATIONS[config.get("activation_function", "gelu")])
+    sizes = [config[name] for name in names]
+    model = make_model(
+        vocab_size, vocab_size, *sizes, config.get("dropout", 0.1), **options
+    )
+    for norm in (m for m in model.modules() if isinstance(m, LayerNorm)):
+        norm.eps = 1e-5
+    return model
+
+
+def marian_order(config, unk=1):
+    """The Marian id of each of our ids: its start symbol, </s>, <pad>, <unk>, then
+    every other id in its order (the start symbol, <pad>, is there twice)."""
+    first = [config[k] for k in ("decoder_start_token_id", "eos_token_id")]
+    first += [config["pad_token_id"], unk]
+    return [*first, *(i for i in range(config["vocab_size"]) if i not in first[1:])]
+
+
+def load_marian_state(model, state):
+    """Load `state` (our names, for one shared matrix) into `model`, refusing in one
+    line any weight missing, unknown or of another shape; returns it in eval mode."""
+    if "tgt_embed.0.lut.weight" in state:  # the copies a file may leave out
+        for name in ("src_embed.0.lut.weight", "generator.proj.weight"):
+            state.setdefault(name, state["tgt_embed.0.lut.weight"])
+    ours = model.state_dict()
+    wrong = sorted(ours.keys() ^ state.keys())
+    wrong += [n for n in ours.keys() & state.keys() if state[n].shape != ours[n].shape]
+    require(
+        not wrong, f"not a Marian model's weights, or not its config's: {wrong[:3]}"
+    )
+    model.load_state_dict(state)
+    return model.eval()
+
+
+# %% [markdown]
+# `from_marian` renames each weight (`fc1` is our `feed_forward.w_1`; folded above),
+# reorders the vocabulary's rows so that Parts 3–5's decoding runs unchanged, and
+# copies the output bias. Marian's source has `</s>` but no `<s>`; our start row
+# copies `<pad>`'s and is never an output.
+
+
+# %%
+def from_marian(weights, config, order):
+    """Part 1's EncoderDecoder running a Marian model: `weights` its state dict,
+    `config` its config.json, `order` the Marian id of each of our ids."""
+    model = marian_model(config, len(order))  # make_model: its sizes, SiLU, eps
+    state = {k: v for k, v in model.state_dict().items() if k.endswith(".pe")}
+    for name, weight in weights.items():
+        name = marian_name(name)
+        if name.startswith(("src_embed.0", "tgt_embed.0", "generator")):
+            weight = weight.squeeze(0)[order]  # a row per token, in our order
+        weight = marian_layout(name, weight, config["d_model"])
+        state[name] = weight.unsqueeze(0) if name.endswith(".pe") else weight
+    bias = state.setdefault("generator.proj.bias", torch.zeros(len(order)))
+    bias[[BOS, PAD]] = -math.inf  # Marian's <pad>, in both rows: never an output
+    return load_marian_state(model, state)
+
+
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+def optional_module(name):
+    """Import `name`, one of the packages a published model needs."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        need = "pip install huggingface_hub safetensors sentencepiece"
+        raise ModuleNotFoundError(f"a published model needs {name}: {need}.") from None
+
+
+class MarianVocab(TorchtextCalls):
+    """A Marian model's vocabulary (vocab.json's token -> id) in our order, cutting
+    text with one of its SentencePiece models (`spm_file`)."""
+
+    def __init__(self, pieces, order, spm_file):
+        spm = optional_module("sentencepiece").SentencePieceProcessor
+        by_id = dict(zip(pieces.values(), pieces, strict=True))
+        self.itos = ["<s>", *(by_id.get(i, f"<{i}>") for i in order[1:])]
+        self.stoi = {token: i for i, token in reversed(list(enumerate(self.itos)))}
+        self.spm = spm(model_file=str(spm_file))
+
+    def encode(self, text):
+        """Text -> our ids of its SentencePiece pieces (no </s>)."""
+        return [self[piece] for piece in self.spm.encode(text, out_type=str)]
+
+    def detokenize(self, tokens):
+        """Token strings -> text, the specials left out."""
+        return self.spm.decode([t for t in tokens if t not in self.itos[:4]])
+
+
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+class MarianTranslator(Translator):
+    """A Translator for a Marian model: its source is a sentence's pieces and </s>."""
+
+    def encode(self, sentences):
+        return [[*self.vocab_src.encode(s), EOS] for s in sentences]
+
+
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+def marian_file(source, name):
+    """The path of a Marian model's file `name`: in the folder `source`, or
+    fetched from the Hugging Face hub into its cache (the next call finds it)."""
+    if Path(source).is_dir():
+        holds = "a model's folder holds " + ", ".join(MARIAN_FILES)
+        holds += f" and {' or '.join(MARIAN_WEIGHTS)}"
+        if not (Path(source) / name).is_file():
+            raise FileNotFoundError(f"{source} has no {name}: {holds}.")
+        return Path(source) / name
+    hub = optional_module("huggingface_hub")
+    try:
+        return Path(hub.hf_hub_download(source, name))
+    except (OSError, ValueError) as error:
+        why = {"LocalEntryNotFoundError": "no connection, and it is not in the cache"}
+        why |= {"RemoteEntryNotFoundError": f"the model has no {name}"}
+        why |= {"HFValidationError": "it is neither a folder here nor a model's name"}
+        why = why.get(type(error).__name__, str(error).split("\n")[0])
+        fix = "name a folder holding its files, or check the name and the connection"
+        raise OSError(f"could not fetch {name} of {source} ({why}): {fix}.") from None
+
+
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+def read_marian_weights(source):
+    """A Marian model's state dict, from the first of MARIAN_WEIGHTS it has."""
+    errors = []
+    for name in MARIAN_WEIGHTS:
+        try:
+            path = marian_file(source, name)
+        except OSError as error:
+            errors.append(error)
+            continue
+        if name.endswith(".bin"):
+            return torch.load(path, map_location="cpu", weights_only=True)
+        return optional_module("safetensors.torch").load_file(path)
+    raise errors[0]
+
+
+def load_marian(source, device=None):
+    """A MarianTranslator for a published Marian model: a Hugging Face hub name
+    (fetched once, about 300 MB for OPUS-MT) or a folder holding its files."""
+    files = {name: marian_file(source, name) for name in MARIAN_FILES}
+    config = json.loads(files["config.json"].read_text(encoding="utf-8"))
+    check_marian(config, source)
+    pieces = json.loads(files["vocab.json"].read_text(encoding="utf-8"))
+    order = marian_order(config, pieces.get("<unk>", UNK))
+    model = from_marian(read_marian_weights(source), config, order)
+    spm = (files[f"{side}.spm"] for side in ("source", "target"))
+    vocabs = (MarianVocab(pieces, order, file) for file in spm)
+    return MarianTranslator(model.to(device or default_device()), *vocabs, config)
+
+
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+TINY_MARIAN = dict(  # a Marian config as OPUS-MT's, at sizes that take a moment
+    vocab_size=40, d_model=16, encoder_layers=2, decoder_layers=2,
+    encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=32,
+    decoder_ffn_dim=32, max_position_embeddings=64, pad_token_id=39,
+    decoder_start_token_id=39, eos_token_id=0, activation_function="swish",
+    scale_embedding=True,
+)  # fmt: skip
+
+
+def marian_parity(seed=0, max_new_tokens=10):
+    """A small random Marian model of transformers', loaded with from_marian, both
+    in float64: (the largest |difference| of their logits, whether greedy decoding
+    picks the same words as its generate); None without transformers."""
+    try:
+        from transformers import MarianConfig, MarianMTModel
+    except ImportError:
+        print("pip install transformers to compare with its Marian model.")
+        return None
+    torch.manual_seed(seed)
+    config = MarianConfig(**TINY_MARIAN)
+    theirs, pad = MarianMTModel(config).eval(), config.pad_token_id
+    order = marian_order(config.to_dict())
+    ours = from_marian(theirs.state_dict(), config.to_dict(), order).double()
+    ours_of = torch.tensor([order.index(i) for i in range(config.vocab_size)])
+    src = torch.tensor([[5, 6, 7, 8, 9, 0], [10, 11, 12, 0, pad, pad]])  # 0: </s>
+    mask, never = src != pad, dict(bad_words_ids=[[pad]], forced_eos_token_id=None)
+    with torch.no_grad():
+        theirs, greedy = theirs.double(), dict(num_beams=1, do_sample=False)
+        out = theirs.generate(src, attention_mask=mask, **greedy, **never,
+                              max_new_tokens=max_new_tokens)  # fmt: skip
+        logits = theirs(src, attention_mask=mask, decoder_input_ids=out).logits
+        mask, future = mask.unsqueeze(1), subsequent_mask(out.size(1))
+        hidden = ours.decode(
+            ours.encode(ours_of[src], mask), mask, ours_of[out], future
+        )
+        mine = ours.generator.proj(hidden)[..., ours_of]  # Marian's order
+        ids = greedy_decode(ours, ours_of[src], mask, out.size(1), BOS, end_symbol=EOS)
+    gap = (mine - logits)[..., torch.arange(config.vocab_size) != pad].abs().max()
+    return gap.item(), torch.equal(torch.tensor(order)[ids], out)
+
+
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+FAR_FROM_MULTI30K = [
+    "Thomas hat 12 Kisten nach Berlin gebracht.",
+    "Wann fährt der letzte Zug nach Hamburg?",
+    "Die Sitzung wurde auf Dienstag, den 3. März, verschoben.",
+]
+
+
+def load_marian_or_check(source):
+    """load_marian(source); where it cannot load, None, once it has printed why
+    and marian_parity's check of the loader instead."""
+    try:
+        return load_marian(source)
+    except (OSError, ImportError) as error:
+        print(f"{error}\nInstead, a random Marian model, ours against transformers':")
+    found = marian_parity()
+    if found is not None:
+        print(f"largest logit difference {found[0]:.0e}; same greedy words: {found[1]}")
+    return None
+
+
+# %% [markdown]
+# `load_marian` reads a model's files from a folder or fetches them from the
+# Hugging Face hub (once, about 300 MB; `pip install huggingface_hub safetensors
+# sentencepiece`). The cell sets OPUS-MT beside Part 3's model on sentences far from
+# Multi30k's captions. Without the files it checks the loader against a small
+# random Marian model from `transformers`: equal logits, the same greedy choices.
+
+
+# %%
+OPUS_MT = "Helsinki-NLP/opus-mt-de-en"  # a name on the hub, or a folder of its files
+
+
+def example_opus_mt(translator, source=OPUS_MT):
+    """OPUS-MT's translations beside Part 3's model's (without its files: a check)."""
+    opus = load_marian_or_check(source)  # without the files, prints the check
+    for de in [] if opus is None else FAR_FROM_MULTI30K:
+        ours = translator.translate(de)[0] if translator else "(no Part 3 model)"
+        print(f"{de}\n  OPUS-MT: {opus.translate(de)[0]}\n  Part 3:  {ours}")
+
+
+show_example(example_opus_mt, translator)
+
+
+# %% [markdown]
 # ## Conclusion
 #
 # We built the Transformer from its parts, trained it on a copy task and on Multi30k,
@@ -3927,6 +4275,8 @@ collate_batch, TokenBudgetBatchSampler, TranslationData, prepare_data, TrainConf
 PROFILES, train_translator, decode_ids, detokenize, Translator, bleu,
 attention_weights, and the ids BOS, EOS, PAD, UNK, SPECIALS.
 Saving (Part 4): without_positional_tables, load_weights, average.
+A published translator (OPUS-MT): load_marian, from_marian, marian_layout,
+marian_order, MarianVocab, MarianTranslator, marian_parity.
 """
 __all__ = [
     *"EncoderDecoder Generator clones LayerNorm SublayerConnection EncoderLayer".split(),
@@ -3943,6 +4293,8 @@ __all__ = [
     *"PROFILES train_translator decode_ids detokenize Translator bleu".split(),
     *"attention_weights BOS EOS PAD UNK SPECIALS without_positional_tables".split(),
     *"load_weights average".split(),
+    *"load_marian from_marian marian_layout marian_order MarianVocab".split(),
+    *"MarianTranslator marian_parity".split(),
 ]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 import the_annotated_transformer as tat
-from benchmarks.decoding import decoding_rows
+from benchmarks.decoding import decoding_rows, peer_rows
 from benchmarks.harness import SMOKE, Settings, machine_lines
 from benchmarks.training import training_pairs, training_rows
 
@@ -64,6 +64,7 @@ def main(argv=None):
     for row in itertools.chain(
         training_rows(settings, args.device, pairs, vocab, source),
         decoding_rows(settings, args.device, pairs, vocab),
+        peer_rows(settings, args.device, pairs),
     ):
         print(row.text(), flush=True)
         rows.append(row)

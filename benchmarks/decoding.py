@@ -3,9 +3,13 @@ its bound (weight_floor: at batch 1 a step is matrix-vector products, bound by r
 the weights from memory), and beam search (beam 4) against greedy decoding at batch
 64. Models have random weights (the time of a step does not depend on them), and
 no output ends early: the end symbol is one no id equals, so every output has max_len
-ids."""
+ids. The peer row times the same decoding against Hugging Face transformers'
+`generate` on the same random weights, a Marian model of OPUS-MT's sizes that the
+book's from_marian loads (transformers: a test and bench dependency only)."""
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -102,3 +106,101 @@ def decoding_rows(settings, device, pairs, vocab):
         f"{steps} tokens each, {describe(sizes['multi30k'])}: {seconds['beam']:.3g} s "
         f"against {seconds['greedy']:.3g} s on the same {BEAM_BATCH} sentences",
     )
+
+
+OPUS_MT_SIZES = dict(  # Helsinki-NLP/opus-mt-de-en's config.json
+    vocab_size=58101, d_model=512, encoder_layers=6, decoder_layers=6,
+    encoder_attention_heads=8, decoder_attention_heads=8, encoder_ffn_dim=2048,
+    decoder_ffn_dim=2048, max_position_embeddings=512, pad_token_id=58100,
+    decoder_start_token_id=58100, eos_token_id=0, activation_function="swish",
+    scale_embedding=True,
+)  # fmt: skip
+
+
+def peer_models(settings, device):
+    """A random MarianMTModel (OPUS-MT's sizes; --smoke: the book's TINY_MARIAN)
+    and the book's make_model holding its weights, both in eval mode."""
+    from transformers import MarianConfig, MarianMTModel
+
+    torch.manual_seed(0)
+    sizes = tat.TINY_MARIAN if settings.smoke else OPUS_MT_SIZES
+    theirs = MarianMTModel(MarianConfig(**sizes)).eval()
+    config = theirs.config.to_dict()
+    ours = tat.from_marian(theirs.state_dict(), config, tat.marian_order(config))
+    return theirs.to(device), ours.to(device)
+
+
+def peer_batches(pairs, n, vocab_size, device, batch_size=64):
+    """n sources of the lengths of the first n pairs' German sides, random ids
+    below vocab_size - 1 (never <pad>) ending in </s> (0), in batches of
+    batch_size of similar length: (Marian's ids, the book's ids, mask)."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = sorted(len(src) for src, _ in itertools.islice(itertools.cycle(pairs), n))
+    batches = []
+    for start in range(0, n, batch_size):
+        rows = lengths[start : start + batch_size]
+        ids = torch.full((len(rows), max(rows)), vocab_size - 1)  # <pad>
+        for i, length in enumerate(rows):
+            ids[i, : length - 1] = torch.randint(
+                2, vocab_size - 1, (length - 1,), generator=generator
+            )
+            ids[i, length - 1] = 0
+        mask = ids != vocab_size - 1
+        # the book's ids (marian_order): </s> 1, <pad> 2, every other id m is m + 2
+        ours = torch.where(ids == 0, 1, torch.where(mask, ids + 2, tat.PAD))
+        batches.append((ids.to(device), ours.to(device), mask.to(device)))
+    return batches
+
+
+def peer_rows(settings, device, pairs):
+    """Yield the peer rows: the book's cached greedy decoding and its beam search
+    (beam 4) of settings.peer_sentences sentences, each to exactly decode_steps
+    tokens, against transformers' generate on the same weights."""
+    theirs, ours = peer_models(settings, device)
+    steps, n = settings.decode_steps, settings.peer_sentences
+    n = n or (1000 if device.type == "cuda" else 64)  # 1,000 take 15 min on 2 cores
+    batches = peer_batches(pairs, n, theirs.config.vocab_size, device)
+    fixed = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+
+    def book(beam):
+        with torch.no_grad():
+            for _, ids, mask in batches:
+                mask, end = mask.unsqueeze(1), dict(end_symbol=NEVER)
+                if beam == 1:
+                    cache = tat.KVCache(ours, steps + 1)
+                    tat.greedy_decode(
+                        ours, ids, mask, steps + 1, tat.BOS, cache=cache, **end
+                    )
+                else:
+                    tat.beam_search(
+                        ours,
+                        ids,
+                        mask,
+                        steps + 1,
+                        tat.BOS,
+                        NEVER,
+                        beam_size=beam,
+                        pad_symbol=tat.PAD,
+                    )
+
+    def generate(beam):
+        with torch.no_grad():
+            for ids, _, mask in batches:
+                theirs.generate(ids, attention_mask=mask, num_beams=beam, **fixed)
+
+    what = "TINY_MARIAN's sizes" if settings.smoke else "OPUS-MT's sizes"
+    for beam in (1, BEAM):
+        seconds = median_seconds(
+            {"book": lambda b=beam: book(b), "generate": lambda b=beam: generate(b)},
+            settings,
+        )
+        search = "greedy, cached" if beam == 1 else f"beam {beam}"
+        yield Row(
+            f"{n:,} sentences ({search}): speed over transformers' generate",
+            seconds["generate"] / seconds["book"],
+            ">=",
+            1.0,
+            "x",
+            f"{steps} tokens each, {what}, random weights: "
+            f"{seconds['book']:.3g} s against {seconds['generate']:.3g} s",
+        )

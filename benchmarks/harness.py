@@ -31,6 +31,7 @@ class Settings:
     max_tokens: int | None = None  # a batch's padded ids (None: the profile's)
     sizes: dict | None = None  # every model's sizes (None: the profile's, base)
     decode_steps: int = 40  # tokens decoded after <s>
+    peer_sentences: int | None = None  # the peer rows' (None: 1,000 GPU, 64 CPU)
     mm_side: int | None = None  # the matmul peak's side (None: 2048 CPU, 8192 GPU)
 
 
@@ -45,6 +46,7 @@ SMOKE = Settings(
     max_tokens=200,
     sizes=tat.TINY,
     decode_steps=4,
+    peer_sentences=8,
     mm_side=64,
 )
 

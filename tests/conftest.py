@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -42,6 +43,7 @@ NUMERICAL_MODULES = {
     "test_part1_reference.py",
     "test_part2_training.py",
     "test_part5_decoding.py",
+    "test_pretrained.py",
 }
 
 # Set by that pass of `make check`, beside ATEN_CPU_CAPABILITY=default: the capability
@@ -123,6 +125,10 @@ def usable_cores():
 
 
 def pytest_configure(config):
+    # No network in the tests: the Hugging Face hub is never asked, and its cache is
+    # an empty folder (the book's OPUS-MT example then runs its offline check).
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="hf-hub-cache-")
     # In an xdist worker: an equal share of the cores, for torch here and for the
     # processes the tests start (a notebook's kernel, a command, the book's script),
     # so that the workers' threads never outnumber the cores. The exactness tests

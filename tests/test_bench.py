@@ -17,7 +17,7 @@ from conftest import HANDMADE_PAIRS, REPO_ROOT, write_split
 
 import the_annotated_transformer as tat
 from benchmarks import __main__ as bench
-from benchmarks import harness, training
+from benchmarks import decoding, harness, training
 
 SIZES = dict(N=2, d_model=32, d_ff=64, h=4)
 
@@ -165,3 +165,25 @@ def test_without_native_bf16_the_bf16_rows_say_why_they_are_skipped(monkeypatch)
     assert {row.verdict for row in skipped} == {f"skipped: {reason}"}
     assert all(row.value > 0 for row in rows if "fp32" in row.name)
     assert len(rows) == 2 * len(skipped)  # each measured in fp32, skipped in bf16
+
+
+def test_the_peer_rows_models_decode_the_same_words_from_the_same_sources():
+    """The peer rows time the book's model and transformers' on the same weights and
+    sources: greedy decoding picks the same tokens on both."""
+    theirs, ours = decoding.peer_models(harness.SMOKE, torch.device("cpu"))
+    pairs = [(list(range(n)), [1]) for n in (5, 9, 7)]
+    batches = decoding.peer_batches(pairs, 3, theirs.config.vocab_size, "cpu")
+    (ids, book_ids, mask), order = batches[0], tat.marian_order(theirs.config.to_dict())
+    with torch.no_grad():
+        pad = theirs.config.pad_token_id
+        expected = theirs.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=6,
+            num_beams=1,
+            do_sample=False,
+            bad_words_ids=[[pad]],
+            forced_eos_token_id=None,
+        )
+        found = tat.greedy_decode(ours, book_ids, mask.unsqueeze(1), 7, tat.BOS)
+    assert torch.equal(torch.tensor(order)[found], expected)

@@ -329,6 +329,9 @@ def check_page(parser, page):
             missing = [missing_file(use, p, made) for p in read_files(args)]
             problems += [m for m in missing if m]
             here = getattr(args, "device", None) in (None, torch.device("cpu"))
+            # --pretrained names a model on the hub: the network, which no test uses
+            # (tests/test_pretrained.py runs the option on a folder it makes)
+            here = here and not getattr(args, "pretrained", None)
             if not any(missing) and args.command in RUNNABLE and here:
                 runnable.append((use, argv, args))
             written_files(args, made)

@@ -102,14 +102,21 @@ PROBABILITY = _number(float, lambda p: 0 < p <= 1, "a number above 0 and at most
 FOLDER, FILE = _writable(True), _writable(False)
 DATA_DIR = f"the Multi30k folder (default: ${DATA_ENV}, else data/multi30k)"
 DEVICE_HELP = "cpu, cuda, cuda:N or mps (default: the GPUs, if any)"
+PRETRAINED_HELP = "a published Marian model instead of a checkpoint: its Hugging Face "
+PRETRAINED_HELP += "hub name (Helsinki-NLP/opus-mt-de-en) or a folder of its files"
 
 
 def _command(commands, name, help, *common, **kwargs):
-    """A command's parser, with the `common` options: data, device, checkpoint;
-    returns its add_argument."""
-    add = commands.add_parser(name, help=help, **kwargs).add_argument
+    """A command's parser, with the `common` options: data, device, checkpoint,
+    pretrained (a checkpoint or a published model); returns its add_argument."""
+    parser = commands.add_parser(name, help=help, **kwargs)
+    add = parser.add_argument
     if "checkpoint" in common:
         add("--checkpoint", required=True, help="a .pt from train")
+    if "pretrained" in common:  # a checkpoint, or a published model instead
+        model = parser.add_mutually_exclusive_group(required=True)
+        model.add_argument("--checkpoint", help="a .pt from train")
+        model.add_argument("--pretrained", metavar="NAME", help=PRETRAINED_HELP)
     if "data" in common:
         add("--data-dir", help=DATA_DIR)
     if "device" in common:
@@ -161,7 +168,7 @@ def build_parser():
     add("--quiet", action="store_true", help=quiet)
     what = "Translate German sentences, one answer per sentence: each argument, or "
     what += "each line of standard input (a blank line gets a blank line)."
-    common, name = ("checkpoint", "device"), "translate German sentences"
+    common, name = ("pretrained", "device"), "translate German sentences"
     add = _command(commands, "translate", name, *common, description=what)
     add("--beam", type=COUNT, help="beam size (default: 1, greedy; with --n-best K, K)")
     add("--alpha", type=ALPHA, default=0.6, help="beam's length penalty α")
@@ -182,8 +189,8 @@ def build_parser():
     add = _command(commands, "figures", "write the book's figures as PNG")
     add("--out", type=FOLDER, default="runs/figures", help="output folder")
     add("names", nargs="*", help="only these figures (default: all)")
-    common = ("checkpoint", "data", "device")
-    add = _command(commands, "evaluate", "BLEU of a checkpoint", *common)
+    common = ("pretrained", "data", "device")
+    add = _command(commands, "evaluate", "BLEU of a model", *common)
     add("--split", default="test_2016_flickr", help="NAME of NAME.de.gz, NAME.en.gz")
     add("--beam", type=COUNT, default=1, help="beam size (1: greedy)")
     add("--output", type=FILE, help="write the translations to this file")
@@ -206,7 +213,7 @@ def build_parser():
     add = _command(commands, "average", "average checkpoints of a run")
     add("checkpoints", nargs="+", help="epoch_NNN.pt files")
     add("--out", type=FILE, required=True, help="the averaged checkpoint")
-    add = _command(commands, "attention", "draw attention maps", *common[::2])
+    add = _command(commands, "attention", "draw attention maps", "checkpoint", "device")
     add("--out", type=FOLDER, default="runs/attention", help="output folder")
     add("--layer", type=int, default=-1, help="the layer to draw, from 0; -1: the last")
     heads = "a head to draw, from 0; repeat the option for several (default: all)"

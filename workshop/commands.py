@@ -99,7 +99,7 @@ def translate_options(args):
 
 def translate(args):
     options = translate_options(args)
-    translator = load_translator(args.checkpoint, args.device)
+    translator = translator_of(args)
     sentences = sentences_to_translate(args.sentences)
     options.update(n_best=args.n_best, progress=translation.Progress())
     found = translator.translate(sentences, **options)
@@ -113,8 +113,16 @@ def figures(args):
     save_figures(args.out, args.names)
 
 
+def translator_of(args):
+    """The Translator of --checkpoint, or of --pretrained."""
+    if args.pretrained:
+        return translation.load_pretrained(args.pretrained, args.device)
+    return load_translator(args.checkpoint, args.device)
+
+
 def evaluate_command(args):
-    where = (args.checkpoint, data_dir_of(args), args.split, args.beam, args.output)
+    model = translator_of(args) if args.pretrained else args.checkpoint
+    where = (model, data_dir_of(args), args.split, args.beam, args.output)
     evaluate(*where, args.batch_size, alpha=args.alpha, device=args.device)
 
 

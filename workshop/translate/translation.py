@@ -1,4 +1,5 @@
-"""Translating with a trained checkpoint: the book's Translator for text from the
+"""Translating with a trained checkpoint, or a published Marian model
+(load_pretrained: the book's load_marian): the book's Translator for text from the
 command line and from Python, with the decoding options by name (the book's greedy
 decoding with its key/value cache, its beam search, or sampling), n-best lists and
 progress.
@@ -14,7 +15,9 @@ has come. Sampling (sample_decode) is the one search the book does not hold.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import logging
 import math
 import secrets
 import sys
@@ -176,6 +179,38 @@ def _inner(ids):
     """Decoded ids without the start symbol, cut at the first end symbol."""
     ids = list(ids[1:])
     return ids[: ids.index(tat.EOS)] if tat.EOS in ids else ids
+
+
+class PretrainedTranslator(Translator, tat.MarianTranslator):
+    """The Translator above for a published Marian model (the book's load_marian):
+    text cut by its SentencePiece models."""
+
+
+def load_pretrained(source, device=None):
+    """A Translator for a published Marian model, such as OPUS-MT's
+    Helsinki-NLP/opus-mt-de-en: a Hugging Face hub name (fetched once into its
+    cache) or a folder of its files. A model of another architecture, a missing
+    file, a missing package or no connection: one line saying what to do."""
+    try:
+        with checking_input(), hub_quiet():
+            found = tat.load_marian(source, device or tat.default_device())
+    except ImportError as error:  # an optional package: the message says which
+        raise OSError(str(error)) from None
+    parts = (found.model, found.vocab_src, found.vocab_tgt, found.config)
+    return PretrainedTranslator(*parts)
+
+
+@contextlib.contextmanager
+def hub_quiet():
+    """Within it, huggingface_hub says no more than errors (not each retry of a
+    connection that fails: load_pretrained says what failed, once)."""
+    logger = logging.getLogger("huggingface_hub")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def load_translator(path, device=None):
