@@ -128,7 +128,7 @@ def pytest_configure(config):
     # No network in the tests: the Hugging Face hub is never asked, and its cache is
     # an empty folder (the book's OPUS-MT example then runs its offline check).
     os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="hf-hub-cache-")
+    config.hub_cache = os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="hf-hub-")
     # In an xdist worker: an equal share of the cores, for torch here and for the
     # processes the tests start (a notebook's kernel, a command, the book's script),
     # so that the workers' threads never outnumber the cores. The exactness tests
@@ -138,6 +138,10 @@ def pytest_configure(config):
         share = max(1, usable_cores() // int(workers))
         torch.set_num_threads(share)
         os.environ["OMP_NUM_THREADS"] = str(share)
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(getattr(config, "hub_cache", ""), ignore_errors=True)
 
 
 def pytest_sessionstart(session):
