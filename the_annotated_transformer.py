@@ -3707,12 +3707,12 @@ show_example(example_attention_maps, translator)
 # | LayerNorm $\epsilon = 10^{-5}$ | $10^{-6}$ | set on loading |
 # | `</s>` 0, `<unk>` 1, `<pad>` last, which also starts each output | our specials at 0–3 | the vocabulary's rows reordered |
 #
-# The files hold no positional table (Marian computes its own); ours is used, and
-# the features must follow its order. Reordering them changes nothing the model
-# computes, provided every weight follows: a matrix that reads the residual stream
-# (the query, key and value projections, $W_1$, the embeddings) takes its columns in
-# the new order; one that writes to it ($W^O$, $W_2$) its rows, and so do the
-# LayerNorms' gains and biases, since a mean and a variance ignore the order.
+# Marian computes its positional table, and its files need not hold it; ours is
+# used, and the features must follow its order. Reordering them changes nothing the
+# model computes, provided every weight follows: a matrix that reads the residual
+# stream (the query, key and value projections, $W_1$, the embeddings) takes its
+# columns in the new order; one that writes to it ($W^O$, $W_2$) its rows, and so do
+# the LayerNorms' gains and biases, since means and variances ignore the order.
 # `marian_layout` applies the rule to one weight.
 
 
@@ -3743,13 +3743,12 @@ MARIAN_NAMES = (  # (a part of a weight's name in Marian's files, the same in ou
     ("fc2.", "feed_forward.w_2."),
     ("self_attn_layer_norm.", "sublayer.0.norm."),
     ("encoder_attn_layer_norm.", "sublayer.1.norm."),
-    (
-        "final_layer_norm.",
-        "sublayer.{}.norm.",
-    ),  # 1 in an encoder layer, 2 in a decoder's
+    ("final_layer_norm.", "sublayer.{}.norm."),  # {}: 1 in an encoder, 2 a decoder
     ("norm.weight", "norm.a_2"),
     ("norm.bias", "norm.b_2"),
 )
+
+
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
 ACTIVATIONS = {"swish": F.silu, "silu": F.silu, "relu": F.relu, "gelu": F.gelu}
 MARIAN_RUNS = {  # config.json's entry: (its default, the values Part 1's classes run)
