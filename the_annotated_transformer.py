@@ -61,6 +61,7 @@ import contextlib
 import copy
 import functools
 import importlib
+import inspect
 import json
 import math
 import numbers
@@ -150,6 +151,22 @@ def check_positive_int(**sizes):
     for name, n in sizes.items():
         whole = isinstance(n, numbers.Integral) and not isinstance(n, bool)
         require(whole and n >= 1, f"{name} must be a positive integer, got {n!r}.")
+
+
+def check_widths(d_model, h=1):
+    """Raise a ValueError unless d_model and h are positive ints, d_model even (a
+    sine and a cosine per frequency) and divisible by h (heads of equal width)."""
+    check_positive_int(d_model=d_model, h=h)
+    require(d_model % h == 0, f"d_model={d_model} is not divisible by h={h}.")
+    odd = f"d_model={d_model} is odd; the positional encoding needs it even."
+    require(d_model % 2 == 0, odd)
+
+
+def check_ids(ids, name):
+    """Raise a ValueError unless `ids` is (batch, seq): a 1-D row needs a batch."""
+    one = f"; add a batch dimension: {name}.unsqueeze(0)" * (ids.dim() == 1)
+    shape = f"{name} must be token ids (batch, seq), got shape {tuple(ids.shape)}"
+    require(ids.dim() == 2, f"{shape}{one}.")
 
 
 # %% [markdown]
@@ -250,6 +267,7 @@ def check_masks(**masks):
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
 def check_source(src, src_mask):
     """encode's check: src_mask's shape and contents (one read from the device)."""
+    check_ids(src, "src")
     check_mask_shape(src_mask, "src_mask", src.size(0), 1, src.size(1))
     check_masks(src_mask=src_mask)
 
@@ -257,6 +275,9 @@ def check_source(src, src_mask):
 def check_target(tgt, tgt_mask, src=None):
     """decode's check: tgt_mask's shape only, as decoding calls it every step; given
     src (forward's check), also one tgt row per src row and tgt_mask's contents."""
+    for ids, name in ((src, "src"), (tgt, "tgt")):
+        if ids is not None:
+            check_ids(ids, name)
     if src is not None:
         n, m = src.size(0), tgt.size(0)
         require(n == m, f"src has {n} rows, tgt {m}: one per pair.")
@@ -533,8 +554,10 @@ def subsequent_mask(size, device=None):
 
 def padding_mask(tokens, pad):
     """The padding mask of ids (batch, seq): (batch, 1, seq) booleans, True where a
-    token is not `pad` (a key that may be attended to), the same for every query."""
-    return (tokens != pad).unsqueeze(-2)
+    token is not `pad` (a key that may be attended to), the same for every query;
+    pad=None: no padding, every token a key."""
+    keep = torch.ones_like(tokens, dtype=torch.bool) if pad is None else tokens != pad
+    return keep.unsqueeze(-2)
 
 
 # %% [markdown]
@@ -678,6 +701,7 @@ class MultiHeadedAttention(nn.Module):
 
     def __init__(self, h, d_model, dropout=0.1):
         super().__init__()
+        check_widths(d_model, h)
         self.d_k, self.h = d_model // h, h  # each head gets d_model // h features
         self.linears = clones(nn.Linear(d_model, d_model), 4)
         self.attn = None
@@ -882,6 +906,8 @@ class PositionalEncoding(nn.Module):
 
     def __init__(self, d_model, dropout, max_len=5000, base=10000.0):
         super().__init__()
+        check_widths(d_model)
+        check_positive_int(max_len=max_len)
         self.dropout = nn.Dropout(p=dropout)
         self.max_len = max_len
         position = torch.arange(max_len, dtype=torch.float32).unsqueeze(1)
@@ -957,9 +983,7 @@ def check_sizes(
         src_vocab=src_vocab, tgt_vocab=tgt_vocab, N=N, d_model=d_model, d_ff=d_ff, h=h
     )
     check_positive_int(max_len=options["max_len"])
-    require(d_model % h == 0, f"d_model={d_model} is not divisible by h={h}.")
-    odd = f"d_model={d_model} is odd; the positional encoding needs it even."
-    require(d_model % 2 == 0, odd)  # each frequency gives a sine and a cosine
+    check_widths(d_model, h)
     require(0.0 <= dropout < 1.0, f"dropout must be in [0, 1), got {dropout!r}.")
     one_vocab = not options["share_embeddings"] or src_vocab == tgt_vocab
     sizes = f"src_vocab={src_vocab} and tgt_vocab={tgt_vocab}"
@@ -991,7 +1015,26 @@ def initialize(model, embedding_init=None):
     return model
 
 
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+def records_arguments(build):
+    """Decorate a model builder: the model it returns keeps, as .make_model_args,
+    every argument it was built with (a function by its name), for save_model."""
+    signature = inspect.signature(build)
+
+    @functools.wraps(build)
+    def built(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        model = build(*args, **kwargs)
+        named = {k: getattr(v, "__name__", v) for k, v in bound.arguments.items()}
+        model.make_model_args = named
+        return model
+
+    return built
+
+
 # %%
+@records_arguments
 def make_model(
     src_vocab,
     tgt_vocab,
@@ -1014,8 +1057,7 @@ def make_model(
     sizes = (src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout)
     options = dict(share_embeddings=share_embeddings, embedding_init=embedding_init)
     check_sizes(*sizes, max_len=max_len, activation=activation, **options)
-    c = copy.deepcopy
-    attn = MultiHeadedAttention(h, d_model, dropout)
+    c, attn = copy.deepcopy, MultiHeadedAttention(h, d_model, dropout)
     ff = PositionwiseFeedForward(d_model, d_ff, dropout, activation)
     position = PositionalEncoding(d_model, dropout, max_len)
     encoder_layer = EncoderLayer(d_model, c(attn), c(ff), dropout, norm_first)
@@ -1120,17 +1162,26 @@ show_example(run_tests)
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
+def check_pad(pad, name):
+    """Refuse a padding id that is neither None (no padding) nor an id >= 0 (a
+    negative one would pick a column from the end: another token's)."""
+    whole = isinstance(pad, numbers.Integral) and not isinstance(pad, bool)
+    what = f"{name} must be a token id (an int >= 0), or None for no padding"
+    require(pad is None or whole and pad >= 0, f"{what}; got {pad!r}.")
+
+
 def check_token_ids(pad, **tensors):
     """Refuse ids that are not 2-D integer tensors, targets too short to shift, and
     a target row that starts with `pad`; warn where `pad` comes before a real token
     (a source padded on the left works, but so looks a forgotten pad=)."""
+    check_pad(pad, "Batch: pad")
     for name, ids in tensors.items():
         ok = torch.is_tensor(ids) and ids.dim() == 2 and not ids.is_floating_point()
         message = f"Batch: {name} must be a 2-D tensor of integer token ids."
         require(ids is None or ok, message, TypeError)
         rows = ids is None or ids.size(0) == tensors["src"].size(0)
         require(rows, "Batch: src and tgt need the same number of rows (pairs).")
-        if ids is None:
+        if ids is None or pad is None:
             continue
         early = (ids[:, :-1] == pad) & (ids[:, 1:] != pad)  # pad before a token
         starts, early = torch.stack([(ids[:, 0] == pad).any(), early.any()]).tolist()
@@ -1150,7 +1201,8 @@ def check_token_ids(pad, **tensors):
 # %%
 class Batch:
     """Source and (optionally) target ids, padded at the end of each row with
-    `pad` (pad=2 is Multi30k's <blank>), with their masks (True: may attend):
+    `pad` (pad=2 is Multi30k's <blank>; None: no padding, rows of one length),
+    with their masks (True: may attend):
     src_mask (batch, 1, src_len); with tgt, the decoder's input tgt (tgt[:, :-1]),
     its targets tgt_y (tgt[:, 1:]), tgt_mask (padding and the future hidden) and
     ntokens (the non-padding targets)."""
@@ -1163,7 +1215,8 @@ class Batch:
             self.tgt = tgt[:, :-1]  # decoder input: drop the last token
             self.tgt_y = tgt[:, 1:]  # what to predict: drop the first token
             self.tgt_mask = self.make_std_mask(self.tgt, pad)
-            self.ntokens = int((self.tgt_y != pad).sum())
+            real = self.tgt_y if pad is None else self.tgt_y[self.tgt_y != pad]
+            self.ntokens = real.numel()
 
     @staticmethod
     def make_std_mask(tgt, pad):
@@ -1287,10 +1340,12 @@ def check_epoch(mode, optimizer, batches, loss_compute):
     require(ok, f"run_epoch: mode {mode!r}: use 'eval', or 'train' with an optimizer.")
     empty = "run_epoch: the data holds no target tokens to predict."
     require(sum(batch.ntokens for batch in batches) > 0, empty)
-    pad = getattr(getattr(loss_compute, "criterion", None), "padding_idx", None)
-    others = sorted({getattr(b, "pad", pad) for b in batches} - {pad})
-    mismatch = f"run_epoch: the loss's padding_idx is {pad}, the batches' pad {others}"
-    require(pad is None or not others, f"{mismatch}: give both the same id.")
+    criterion = getattr(loss_compute, "criterion", None)
+    if hasattr(criterion, "padding_idx"):  # None: no padding
+        pad = criterion.padding_idx
+        others = ", ".join(map(str, {getattr(b, "pad", pad) for b in batches} - {pad}))
+        mismatch = f"run_epoch: the loss's padding_idx is {pad}, the batches' pad"
+        require(not others, f"{mismatch} {others}: give both the same.")
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
@@ -1478,32 +1533,34 @@ show_example(chart_learning_rate)
 # those of the cross-entropy with $q$.
 
 
-# %%
-class LabelSmoothing(nn.Module):
-    """KL divergence to a label-smoothed target distribution that ignores padding.
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+def check_smoothing(size, padding_idx, smoothing):
+    """Refuse what would make LabelSmoothing's loss vanish or clear a real word's
+    column: a padding id outside the vocabulary (or negative), a vocabulary with no
+    word to spread over, a smoothing outside [0, 1)."""
+    check_positive_int(size=size)
+    what = f"a token id in 0..{size - 1}, or None for no padding"
+    inside = padding_idx is None or 0 <= padding_idx < size
+    check_pad(padding_idx, "LabelSmoothing: padding_idx")
+    require(inside, f"LabelSmoothing: padding_idx must be {what}; got {padding_idx}.")
+    few = size - 1 - (padding_idx is not None) < 1 and smoothing > 0
+    require(not few, f"LabelSmoothing: size {size} leaves no word to smooth over.")
+    ok = isinstance(smoothing, numbers.Real) and 0 <= smoothing < 1
+    require(ok, f"LabelSmoothing: smoothing must be in [0, 1); got {smoothing!r}.")
 
-    LabelSmoothing(size, padding_idx, smoothing): size is the vocabulary; the target
-    puts 1 - smoothing on the right word and spreads smoothing over the size - 2
-    others that are not padding. Called on log-probabilities x (n, size) and target
-    ids (n,), it returns the summed loss (a 0-d tensor); padding targets add 0.
-    """
 
-    def __init__(self, size, padding_idx, smoothing=0.0):
-        super().__init__()
-        self.padding_idx, self.size = padding_idx, size
-        self.confidence, self.smoothing = 1.0 - smoothing, smoothing
-        self.spread = smoothing / (size - 2)  # q of a word not the target nor padding
-        q_counts = ((1.0 - smoothing, 1), (self.spread, size - 2))  # q_c, how many
-        self.neg_entropy = sum(n * q * math.log(q) for q, n in q_counts if q > 0)
-        self.last_target = None  # the target ids of the last call, for true_dist
+class SmoothedTargets:
+    """LabelSmoothing's target distribution q as a table, for charts and tests
+    (its forward never builds it), and the original notebook's true_dist."""
 
     def smoothed_targets(self, target, dtype=None):
         """The target distribution q, one row per target id: (n, size)."""
         shape = (target.size(0), self.size)
         true_dist = torch.full(shape, self.spread, dtype=dtype, device=target.device)
         true_dist.scatter_(1, target.unsqueeze(1), self.confidence)
-        true_dist[:, self.padding_idx] = 0
-        true_dist[target == self.padding_idx] = 0  # padding positions: no target
+        if self.padding_idx is not None:
+            true_dist[:, self.padding_idx] = 0
+            true_dist[target == self.padding_idx] = 0  # padding positions: no target
         return true_dist
 
     @property
@@ -1513,6 +1570,29 @@ class LabelSmoothing(nn.Module):
             return None
         return self.smoothed_targets(self.last_target)
 
+
+# %%
+class LabelSmoothing(SmoothedTargets, nn.Module):
+    """KL divergence to a label-smoothed target distribution that ignores padding.
+
+    LabelSmoothing(size, padding_idx, smoothing): size is the vocabulary; the target
+    puts 1 - smoothing on the right word and spreads smoothing over the size - 2
+    others that are not padding (size - 1 with padding_idx=None: no padding).
+    Called on log-probabilities x (n, size) and target ids (n,), it returns the
+    summed loss (a 0-d tensor); padding targets add 0.
+    """
+
+    def __init__(self, size, padding_idx, smoothing=0.0):
+        super().__init__()
+        check_smoothing(size, padding_idx, smoothing)
+        self.padding_idx, self.size = padding_idx, size
+        self.confidence, self.smoothing = 1.0 - smoothing, smoothing
+        others = size - 1 - (padding_idx is not None)  # neither target nor padding
+        self.spread = smoothing / others  # the q of each of them
+        q_counts = ((1.0 - smoothing, 1), (self.spread, others))  # q_c, how many
+        self.neg_entropy = sum(n * q * math.log(q) for q, n in q_counts if q > 0)
+        self.last_target = None  # the target ids of the last call, for true_dist
+
     def forward(self, x, target):
         """x: (n, size) log-probabilities; target: (n,) ids. Returns the summed loss."""
         self.last_target = target.detach()
@@ -1520,10 +1600,12 @@ class LabelSmoothing(nn.Module):
         wide = torch.promote_types(x.dtype, torch.float32)  # bfloat16 adds in float32
         x_target = x.gather(1, target.unsqueeze(1)).squeeze(1).to(wide)  # (n,)
         loss = self.neg_entropy - self.confidence * x_target
+        pad = self.padding_idx
         if self.spread > 0:  # the words that are neither the target nor padding
-            x_others = x.sum(1).to(wide) - x[:, self.padding_idx].to(wide) - x_target
+            x_others = x.sum(1).to(wide) - x_target
+            x_others = x_others if pad is None else x_others - x[:, pad].to(wide)
             loss = loss - self.spread * x_others
-        return loss.masked_fill(target == self.padding_idx, 0.0).sum()
+        return (loss if pad is None else loss.masked_fill(target == pad, 0.0)).sum()
 
 
 # %% [markdown]
@@ -1632,6 +1714,7 @@ class SimpleLossCompute:
         """Summed negative log-likelihood of the targets y, skipping padding."""
         log_probs = self.generator(x).flatten(0, -2)  # (tokens, vocab)
         pad = self.criterion.padding_idx
+        pad = -100 if pad is None else pad  # nll_loss's "no id ignored"
         nll = F.nll_loss(log_probs, y.reshape(-1), ignore_index=pad, reduction="none")
         return nll.sum(dtype=torch.promote_types(nll.dtype, torch.float32))
 
@@ -3441,6 +3524,56 @@ def load_weights(model, state_dict):
     return model
 
 
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+# make_model's arguments that change what given weights compute (not dropout, the
+# initialisation or max_len: each model keeps its own positional tables).
+CHECKED_ARGS = ("src_vocab", "tgt_vocab", "N", "d_model", "d_ff", "h", "norm_first")
+CHECKED_ARGS += ("share_embeddings", "tie_generator", "activation")
+
+
+def save_model(model, path):
+    """Write a make_model model's weights (no positional tables) and the arguments
+    it was built with to `path`, in torch's format that torch.load reads with
+    weights_only=True (tensors, numbers, strings: no code); the file appears whole."""
+    args = getattr(model, "make_model_args", None)
+    require(args is not None, "save_model: a model make_model built; got another.")
+    saved = {
+        "make_model": args,
+        "weights": without_positional_tables(model.state_dict()),
+    }
+    part = Path(f"{path}.part")
+    torch.save(saved, part)
+    part.replace(path)
+
+
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+def load_model(path, model=None):
+    """The model save_model wrote to `path`: make_model's, built from the saved
+    arguments, or `model`, refused in one line if built otherwise ("h: saved 4,
+    given 8"). A plain state dict (an older save) loads into `model` only, with a
+    warning that its sizes are unchecked."""
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if "make_model" not in saved:
+        plain = f"load_model: {path} holds weights without make_model's arguments"
+        require(model is not None, f"{plain}: pass model=make_model(...) to fill.")
+        warnings.warn(f"{plain}: the model's sizes are unchecked.", stacklevel=2)
+        return load_weights(model, saved)
+    args = saved["make_model"]
+    if model is None:
+        activation = getattr(F, args["activation"], None)
+        named = f"load_model: the saved activation {args['activation']!r} is not in F"
+        require(callable(activation), f"{named}: pass model=make_model(...).")
+        model = make_model(**{**args, "activation": activation})
+    mine = getattr(model, "make_model_args", args)  # built otherwise: unchecked
+    differ = "; ".join(
+        f"{k}: saved {args[k]!r}, given {mine[k]!r}"
+        for k in CHECKED_ARGS
+        if mine[k] != args[k]
+    )
+    require(not differ, f"load_model: not the saved model's sizes: {differ}.")
+    return load_weights(model, saved["weights"])
+
+
 # %% [markdown]
 # ## Part 5: Results
 #
@@ -3807,6 +3940,7 @@ def marian_model(config, vocab_size):
     )
     for norm in (m for m in model.modules() if isinstance(m, LayerNorm)):
         norm.eps = 1e-5
+    del model.make_model_args  # its eps is not make_model's: save its state_dict
     return model
 
 
@@ -4273,10 +4407,15 @@ tokenize, Vocab, SubwordVocab, learn_bpe, build_vocabulary, encode_text,
 collate_batch, TokenBudgetBatchSampler, TranslationData, prepare_data, TrainConfig,
 PROFILES, train_translator, decode_ids, detokenize, Translator, bleu,
 attention_weights, and the ids BOS, EOS, PAD, UNK, SPECIALS.
-Saving (Part 4): without_positional_tables, load_weights, average.
+Saving (Part 4): save_model and load_model (with make_model's arguments),
+without_positional_tables, load_weights, average.
 A published translator (OPUS-MT): load_marian, from_marian, marian_layout,
 marian_order, MarianVocab, MarianTranslator, marian_parity.
 """
+
+
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
+__version__ = "2026.11"  # pyproject.toml's version
 __all__ = [
     *"EncoderDecoder Generator clones LayerNorm SublayerConnection EncoderLayer".split(),
     *"Encoder DecoderLayer Decoder subsequent_mask padding_mask attention".split(),
@@ -4291,7 +4430,7 @@ __all__ = [
     *"TokenBudgetBatchSampler TranslationData prepare_data TrainConfig".split(),
     *"PROFILES train_translator decode_ids detokenize Translator bleu".split(),
     *"attention_weights BOS EOS PAD UNK SPECIALS without_positional_tables".split(),
-    *"load_weights average".split(),
+    *"load_weights average save_model load_model".split(),
     *"load_marian from_marian marian_layout marian_order MarianVocab".split(),
     *"MarianTranslator marian_parity".split(),
 ]

@@ -63,7 +63,7 @@ def test_run_epoch_refuses_a_loss_whose_padding_id_is_not_the_batches():
     loss = tat.SimpleLossCompute(model.generator, tat.LabelSmoothing(V, PAD))
     with pytest.warns(UserWarning):
         batch = digit_batch()  # pad forgotten: 2
-    with pytest.raises(ValueError, match=r"padding_idx is 0, the batches' pad \[2\]"):
+    with pytest.raises(ValueError, match=r"padding_idx is 0, the batches' pad 2: give"):
         tat.run_epoch([batch], model, loss, mode="eval")
     tat.run_epoch([digit_batch(pad=PAD)], model, loss, mode="eval")  # agreeing: runs
 
@@ -293,6 +293,85 @@ def test_weights_saved_without_positional_tables_load_into_any_max_len(tmp_path)
         tat.load_weights(
             short, {k: v for k, v in state.items() if "generator" not in k}
         )
+
+
+def model_of(**changes):
+    """A small make_model model, seeded, with `changes` to its arguments."""
+    torch.manual_seed(0)
+    sizes = {"N": 1, "d_model": 32, "d_ff": 64, "h": 4} | changes
+    return tat.make_model(V, V, **sizes)
+
+
+def test_a_saved_model_loads_back_built_from_its_own_arguments(tmp_path):
+    model = model_of(dropout=0.0, norm_first=False, activation=torch.nn.functional.gelu)
+    tat.save_model(model, tmp_path / "m.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]  # no .part left
+    again = tat.load_model(tmp_path / "m.pt")
+    assert again.make_model_args == model.make_model_args
+    assert again.make_model_args["activation"] == "gelu"  # by name: JSON, no code
+    for name, weight in model.state_dict().items():
+        assert torch.equal(again.state_dict()[name], weight), name
+    saved = torch.load(tmp_path / "m.pt", weights_only=True)  # no pickled objects
+    assert not [k for k in saved["weights"] if k.endswith(".pe")]
+
+
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        (dict(h=8), "h: saved 4, given 8"),
+        (dict(norm_first=False), "norm_first: saved True, given False"),
+        (dict(activation=torch.nn.functional.silu), "activation: saved 'relu', given"),
+    ],
+)
+def test_a_saved_model_is_refused_by_a_model_of_other_sizes_naming_them(
+    tmp_path, changes, named
+):
+    tat.save_model(model_of(), tmp_path / "m.pt")
+    with pytest.raises(ValueError, match=named) as error:
+        tat.load_model(tmp_path / "m.pt", model_of(**changes))
+    assert "\n" not in str(error.value)
+    # the positional tables' length is each model's own
+    tat.load_model(tmp_path / "m.pt", model_of(max_len=64))
+
+
+def test_a_plain_state_dict_loads_only_into_a_given_model_with_a_warning(tmp_path):
+    torch.save(model_of().state_dict(), tmp_path / "old.pt")
+    with pytest.warns(UserWarning, match="sizes are unchecked"):
+        tat.load_model(tmp_path / "old.pt", model_of(h=8))  # same shapes
+    with pytest.raises(ValueError, match="pass model=make_model"):
+        tat.load_model(tmp_path / "old.pt")
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda: tat.MultiHeadedAttention(4, 30), "d_model=30 is not divisible by h=4"),
+        (lambda: tat.MultiHeadedAttention(0, 32), "h must be a positive integer"),
+        (lambda: tat.PositionalEncoding(7, 0.1), "d_model=7 is odd"),
+        (lambda: tat.PositionalEncoding(8, 0.1, max_len=0), "max_len must be"),
+    ],
+)
+def test_a_constructor_refuses_what_its_forward_would_trip_on(make, words):
+    with pytest.raises(ValueError, match=words):
+        make()
+
+
+@pytest.mark.parametrize("call", ["encode", "forward"])
+def test_a_sentence_without_a_batch_dimension_is_refused_saying_how_to_add_it(call):
+    model, ids = model_of(), torch.tensor([1, 2, 3])
+    mask = torch.ones(1, 1, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"\(batch, seq\), got shape \(3,\); add"):
+        if call == "encode":
+            model.encode(ids, mask)
+        else:
+            model(ids, ids.unsqueeze(0), mask, tat.subsequent_mask(3))
+
+
+def test_the_version_is_the_packages():
+    import tomllib
+
+    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    assert tat.__version__ == pyproject["project"]["version"]
 
 
 # ---------------------------------------------------------------------------

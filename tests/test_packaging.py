@@ -57,6 +57,30 @@ def installed(wheel, tmp_path_factory):
     return python
 
 
+def requirements_of(wheel):
+    """The wheel's Requires-Dist, as {extra (None: always): package names}."""
+    found = {}
+    (metadata,) = [
+        n for n in zipfile.ZipFile(wheel).namelist() if n.endswith("METADATA")
+    ]
+    for line in zipfile.ZipFile(wheel).read(metadata).decode().splitlines():
+        if line.startswith("Requires-Dist: "):
+            spec, _, marker = line.removeprefix("Requires-Dist: ").partition(";")
+            extra = marker.split("extra ==")[-1].strip(" '\"") if marker else None
+            name = spec.split("[")[0].split(">")[0].split("=")[0].strip().lower()
+            found.setdefault(extra, set()).add(name.replace("_", "-"))
+    return found
+
+
+def test_the_book_alone_needs_torch_and_numpy_and_the_rest_are_extras(wheel):
+    needs = requirements_of(wheel)
+    assert needs[None] == {"torch", "numpy"}  # no spaCy, altair or pandas
+    assert {"pandas", "altair"} <= needs["notebook"]
+    assert {"spacy", "sacrebleu", "tokenizers"} <= needs["translate"]
+    assert {"huggingface-hub", "safetensors", "sentencepiece"} <= needs["pretrained"]
+    assert needs["all"] == {"annotated-transformer"}  # [notebook,translate,pretrained]
+
+
 @pytest.mark.slow
 def test_the_wheel_holds_the_book_and_the_workshop_package(wheel):
     names = zipfile.ZipFile(wheel).namelist()

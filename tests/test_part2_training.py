@@ -608,16 +608,19 @@ def test_label_smoothing_target_distribution():
         assert dist[row].sum().item() == pytest.approx(1.0, abs=6 * U32)
 
 
+@pytest.mark.parametrize("pad", [2, None])
 @pytest.mark.parametrize("eps", [0.0, 0.1, 0.4])
-def test_label_smoothing_closed_form_equals_kl_divergence_to_its_target_table(eps):
+def test_label_smoothing_closed_form_equals_kl_divergence_to_its_target_table(eps, pad):
     """forward never builds q; F.kl_div on smoothed_targets (q itself) must agree,
-    loss and gradient, padding targets included."""
-    size, pad, n = 9, 2, 12
+    loss and gradient, padding targets included (pad=None: no padding, smoothing
+    spread over every other word)."""
+    size, n = 9, 12
     gen = torch.Generator().manual_seed(1)
     z = torch.randn(n, size, generator=gen, dtype=torch.float64)
     x = z.log_softmax(-1).requires_grad_()
     target = torch.randint(0, size, (n,), generator=gen)
-    target[[3, 7]] = pad
+    if pad is not None:
+        target[[3, 7]] = pad
     crit = tat.LabelSmoothing(size, pad, eps)
     ours = crit(x, target)
     (grad_ours,) = torch.autograd.grad(ours, x)
@@ -1264,3 +1267,94 @@ def test_with_targets_drawn_afresh_each_step_the_same_training_stays_far_above_0
         for fresh in tat.data_gen(VOCAB, 8, OVERFIT_STEPS, generator=rng)
     ]
     assert min(losses[-10:]) > math.log(10) / 2
+
+
+# ---------------------------------------------------------------------------
+# No padding id: pad=None and padding_idx=None mean that no position is padding
+
+
+def no_padding_batches(n_batches, batch_size=64, seed=0, length=10):
+    """A task with no padding id: ids 0..9 are digits, 10 starts a sequence; the
+    target is the source reversed."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n_batches):
+        digits = torch.randint(0, 10, (batch_size, length), generator=g)
+        start = torch.full((batch_size, 1), 10)
+        tgt = torch.cat([start, digits.flip(1)], 1)
+        yield tat.Batch(digits, tgt, pad=None)
+
+
+def test_a_batch_without_padding_masks_no_token_and_counts_every_target():
+    (batch,) = no_padding_batches(1, batch_size=3)
+    assert batch.src_mask.shape == (3, 1, 10) and batch.src_mask.all()
+    assert torch.equal(batch.tgt_mask[0], tat.subsequent_mask(10)[0])
+    assert batch.ntokens == 3 * 10  # id 0, a digit here, counts
+
+
+def test_without_padding_the_eval_loss_is_the_nll_of_every_target():
+    torch.manual_seed(0)
+    model = tat.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2, dropout=0.0)
+    batches = list(no_padding_batches(2, batch_size=4))
+    loss = tat.SimpleLossCompute(model.generator, tat.LabelSmoothing(11, None, 0.1))
+    mean, _ = tat.run_epoch(batches, model.double(), loss, mode="eval")
+    with torch.no_grad():
+        nll = 0.0
+        for b in batches:
+            log_probs = model.generator(model(b.src, b.tgt, b.src_mask, b.tgt_mask))
+            nll += F.nll_loss(
+                log_probs.flatten(0, 1), b.tgt_y.flatten(), reduction="sum"
+            )
+    # run_epoch adds each batch's loss in float32 (2 batches: 3 roundings of u32),
+    # far above the float64 sums' own rounding.
+    assert float(mean) == pytest.approx(float(nll) / (2 * 4 * 10), rel=3 * U32)
+
+
+@pytest.mark.slow
+def test_a_task_with_no_padding_id_trains_to_exact_reversals():
+    """A new user's task with no padding id, trained with the book's pieces (the
+    recipe of docs/build_on_it.md): held-out sequences reversed exactly."""
+    torch.manual_seed(0)
+    model = tat.make_model(11, 11, N=2, d_model=64, d_ff=256, h=4, dropout=0.0)
+    optimizer, scheduler = tat.make_optimizer(
+        model, base_lr=2.0, warmup=100, total_steps=600, cooldown=0.5
+    )
+    criterion = tat.LabelSmoothing(11, padding_idx=None)
+    loss = tat.SimpleLossCompute(model.generator, criterion)
+    for epoch in range(20):
+        tat.run_epoch(
+            no_padding_batches(30, seed=epoch), model, loss, optimizer, scheduler
+        )
+    (test,) = no_padding_batches(1, batch_size=10, seed=1234)
+    out = tat.greedy_decode(model, test.src, test.src_mask, 11, start_symbol=10)
+    assert torch.equal(out[:, 1:], test.src.flip(1))
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda: tat.LabelSmoothing(11, padding_idx=-1), "padding_idx must be a token"),
+        (lambda: tat.LabelSmoothing(11, padding_idx=11), "a token id in 0..10"),
+        (lambda: tat.LabelSmoothing(11, 0, smoothing=1.0), "smoothing must be in"),
+        (lambda: tat.LabelSmoothing(1, None, smoothing=0.1), "no word to smooth"),
+        (lambda: tat.LabelSmoothing(11, padding_idx=True), "padding_idx must be"),
+        (lambda: tat.Batch(torch.zeros(2, 3, dtype=torch.long), pad=-1), "Batch: pad"),
+    ],
+)
+def test_what_would_clear_a_words_column_or_the_loss_is_refused_in_one_line(
+    make, words
+):
+    with pytest.raises(ValueError) as error:
+        make()
+    assert words in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("loss_pad, batch_pad", [(0, None), (None, 0)])
+def test_run_epoch_refuses_a_loss_and_batches_that_disagree_about_padding(
+    loss_pad, batch_pad
+):
+    model = tat.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+    src = torch.randint(1, 10, (2, 5))
+    tgt = torch.cat([torch.full((2, 1), 10), src], 1)
+    loss = tat.SimpleLossCompute(model.generator, tat.LabelSmoothing(11, loss_pad))
+    with pytest.raises(ValueError, match=f"padding_idx is {loss_pad}, the batches'"):
+        tat.run_epoch([tat.Batch(src, tgt, pad=batch_pad)], model, loss, mode="eval")
