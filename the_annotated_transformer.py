@@ -266,10 +266,29 @@ def check_masks(**masks):
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
 def check_source(src, src_mask):
-    """encode's check: src_mask's shape and contents (one read from the device)."""
+    """encode's check: src_mask's shape, and its contents read against the tokens
+    (one read from the device): a row with no key to read, an additive (0/-inf)
+    mask, and a mask that shows one id and hides varied ones (PyTorch's True-hides
+    convention on a padded batch: the padding shown, the words hidden)."""
     check_ids(src, "src")
     check_mask_shape(src_mask, "src_mask", src.size(0), 1, src.size(1))
-    check_masks(src_mask=src_mask)
+    if src_mask is None or src_mask.is_meta:
+        return
+    seen = (src_mask[:, 0] != 0).expand_as(src)  # (batch, src_len)
+    top, low = torch.iinfo(src.dtype).max, torch.iinfo(src.dtype).min
+    blind = ~seen.any(-1)  # rows with no key
+    lone = blind & (src == src[:, :1]).all(-1)  # ... that hold a single id
+    shown = src.masked_fill(~seen, top).amin(), src.masked_fill(~seen, low).amax()
+    hidden = src.masked_fill(seen, top).amin(), src.masked_fill(seen, low).amax()
+    facts = [misread(src_mask), blind.any(), lone.any(), *shown, *hidden]
+    wrong, blind, lone, *shown, low, high = torch.stack(facts).tolist()
+    empty = "src_mask hides every token of a row holding one id only (an empty"
+    require(not lone, f"{empty} sentence?): give each row a token, such as </s>.")
+    if wrong or blind:
+        check_masks(src_mask=src_mask)
+    one = f"src_mask shows only id {shown[0]} and hides the other tokens"
+    fix = f"masks hold {CONVENTION}; pass mask == 0, or let Batch build it"
+    require(shown[0] != shown[1] or low >= high, f"{one}: {fix}.")
 
 
 def check_target(tgt, tgt_mask, src=None):

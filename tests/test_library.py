@@ -209,6 +209,38 @@ def test_decoding_refuses_a_source_mask_in_pytorchs_convention(masks, decode):
     assert ids.size(0) == masks.src.size(0)  # the book's own mask decodes
 
 
+def test_pytorchs_mask_on_a_batch_padded_in_every_row_is_refused_naming_it():
+    """Every row padded: PyTorch's mask leaves every query a key (the padding), so
+    only the tokens tell: it shows one id and hides the varied ones."""
+    model = small_model()
+    src = torch.tensor([[1, 5, 6, 7, 2, PAD, PAD], [1, 8, 9, 2, PAD, PAD, PAD]])
+    right = tat.padding_mask(src, PAD)
+    for wrong in (~right, (~right).float()):
+        with pytest.raises(ValueError) as caught:
+            tat.greedy_decode(model, src, wrong, 5, 1)
+        message = str(caught.value)
+        assert f"shows only id {PAD} and hides the other tokens" in message
+        assert "PyTorch's nn.Transformer: True hides" in message and "\n" not in message
+    tat.greedy_decode(model, src, right, 5, 1)  # the book's own mask decodes
+
+
+def test_an_empty_sentence_gets_its_own_message_without_the_pytorch_hint():
+    model = small_model()
+    src = torch.tensor([[1, 5, 6, 2], [PAD, PAD, PAD, PAD]])
+    with pytest.raises(ValueError) as caught:
+        model.encode(src, tat.padding_mask(src, PAD))
+    message = str(caught.value)
+    assert "empty sentence" in message and "such as </s>" in message
+    assert "PyTorch" not in message and "mask == 0" not in message
+
+
+def test_rows_of_one_token_and_padding_pass_though_one_id_is_shown():
+    """One shown id is no sign of PyTorch's convention when one id is hidden too."""
+    model = small_model()
+    src = torch.tensor([[1, PAD, PAD], [1, PAD, PAD]])
+    model.encode(src, tat.padding_mask(src, PAD))
+
+
 def test_a_source_and_target_of_different_batch_sizes_are_refused_in_one_line(masks):
     """They failed 21 frames deep in attention with a broadcasting message."""
     model = small_model()
