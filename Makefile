@@ -170,12 +170,14 @@ check: lint $(STAMP)
 	echo "The numerical tests on the plain code path ($(PLAIN_LOG)):"; \
 	cat $(PLAIN_LOG); [ $$first = 0 ] && [ $$second = 0 ]
 
-# The notebook is written without outputs: the .py holds none to give it. The Chinese
+# The notebook is written without outputs: the .py holds none to give it, and with cell
+# ids drawn from each cell's text, so that a rebuild changes nothing. The Chinese
 # one beside it takes the same code cells and the current translation of each markdown
 # cell (tools.translation); a cell whose English changed stops it, naming the cell.
 notebook: $(STAMP)
 	mkdir -p $(dir $(NOTEBOOK))
 	$(BIN)/jupytext --to ipynb --output $(NOTEBOOK) $(BOOK)
+	$(TRANSLATION) ids $(NOTEBOOK)
 	$(TRANSLATION) build zh $(if $(ALLOW_MISSING),--allow-missing)
 
 # After an edit of the book's English prose: the catalogue takes the new English

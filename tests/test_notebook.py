@@ -121,6 +121,18 @@ def test_committed_notebook_equals_jupytext_conversion_of_the_book(committed, tm
     )
 
 
+def test_committed_notebooks_cell_ids_come_from_their_text(committed):
+    """`make notebook` gives each cell an id drawn from its text (jupytext draws
+    random ones), so that rebuilding the notebook, as `make execute` and `make site`
+    do, leaves the checkout clean."""
+    from tools.translation import cell_id
+
+    seen = {}
+    assert [cell.id for cell in committed.cells] == [
+        cell_id(cell, seen) for cell in committed.cells
+    ]
+
+
 def test_committed_notebook_has_no_outputs_or_execution_counts(committed):
     code_cells = [cell for cell in committed.cells if cell.cell_type == "code"]
     assert code_cells

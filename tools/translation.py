@@ -479,6 +479,16 @@ def cell_id(cell, seen):
     return digest if seen[digest] == 1 else f"{digest}-{seen[digest]}"
 
 
+def stable_ids(path):
+    """Give the notebook at `path` cell ids from its cells' text (cell_id), in place:
+    jupytext draws random ones, and a rebuild would change every line that holds one."""
+    notebook = nbformat.read(path, as_version=4)
+    seen = {}
+    for cell in notebook.cells:
+        cell.id = cell_id(cell, seen)
+    nbformat.write(notebook, path)
+
+
 def translated_notebook(lang, book=BOOK, catalogue=None, allow_missing=False):
     """The LANG notebook as a NotebookNode, and the keys of the cells it left in
     English (only with allow_missing; otherwise MissingTranslations)."""
@@ -625,6 +635,8 @@ def main(argv=None):
                 action="store_true",
                 help="keep the English of cells without a current translation",
             )
+    ids = commands.add_parser("ids", help="give a notebook cell ids from its text")
+    ids.add_argument("notebook", type=Path)
     merging = commands.add_parser("merge")
     merging.add_argument("files", nargs="+", type=Path)
     merging.add_argument("--lang", default="zh", choices=languages)
@@ -635,6 +647,8 @@ def main(argv=None):
         if args.command == "extract":
             catalogue = extract(args.lang)
             print(progress(catalogue, catalogue_path(args.lang)))
+        elif args.command == "ids":
+            stable_ids(args.notebook)
         elif args.command == "merge":
             print("\n".join(merge(args.files, args.lang, dry_run=args.dry_run)))
         elif args.command == "build":
