@@ -7,6 +7,7 @@ it they are skipped on a laptop, but fail in CI (CI=true). The figures command's
 drawings are checked in tests/test_workshop_figures.py.
 """
 
+import builtins
 import contextlib
 import errno
 import io
@@ -109,7 +110,7 @@ def assert_one_line_error(result, *expected, status=2):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert "Traceback" not in result.stderr
-    assert "error" in lines[0] or status == 130  # 130: "interrupted; ..."
+    assert lines[0].startswith("error: ") or status == 130  # 130: "interrupted; ..."
     for text in expected:
         assert text in lines[0], lines[0]
     return lines[0]
@@ -240,9 +241,53 @@ def test_translate_with_no_sentences_and_empty_input_exits_2_saying_what_to_pass
     path = tmp_path / "tiny.pt"
     torch.save(tiny_checkpoint_state(), path)
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n  \n"))
-    assert_one_line_error(
-        run_cli("translate", "--checkpoint", str(path)), "no sentences given"
-    )
+    line = assert_one_line_error(run_cli("translate", "--checkpoint", str(path)))
+    assert line.startswith("error: no sentences given: pass them as arguments")
+
+
+@pytest.mark.parametrize(
+    "argv, help",
+    [
+        (["translate", "--checkpoint", "c.pt", "--beam", "0"], "workshop translate"),
+        (["translate", "--checkpoint", "c.pt", "--n-be", "2"], "workshop"),
+        (["transl"], "workshop"),
+    ],
+)
+def test_a_command_line_argparse_refuses_is_one_error_line_pointing_to_the_help(
+    argv, help, run_cli
+):
+    """argparse's errors start as every other failure does, with `error: `, and
+    end naming the help to read."""
+    line = assert_one_line_error(run_cli(*argv))
+    assert line.endswith(f"(see python -m {help} --help)"), line
+
+
+def without_module(monkeypatch, name):
+    """Make the command line's import of workshop.commands (torch, the book, the
+    rest of the workshop) fail as it does where the module `name` is missing."""
+    real_import = builtins.__import__
+
+    def importing(module, globals=None, locals=None, fromlist=(), level=0):
+        if module == "workshop" and "commands" in (fromlist or ()):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real_import(module, globals, locals, fromlist, level)
+
+    monkeypatch.setattr(builtins, "__import__", importing)
+
+
+def test_run_by_a_python_without_torch_says_in_one_line_which_python_to_use(
+    monkeypatch, run_cli
+):
+    without_module(monkeypatch, "torch")
+    line = assert_one_line_error(run_cli("figures"), status=1)
+    assert line.startswith(f"error: torch is not installed for {sys.executable}: ")
+    assert "run .venv/bin/python -m workshop (after `make setup`)" in line
+    assert f"{sys.executable} -m pip install -r requirements.txt" in line
+    assert "unexpected" not in line and "report it" not in line
+    # The control: a module of the workshop's own is a bug, not a missing package.
+    without_module(monkeypatch, "workshop.nothing")
+    line = assert_one_line_error(run_cli("figures"), status=1)
+    assert line.startswith("error: ModuleNotFoundError: ") and "report it" in line
 
 
 @pytest.mark.parametrize(
@@ -463,6 +508,74 @@ def test_translate_command_with_a_missing_checkpoint_returns_1(tmp_path, capsys)
     assert "missing.pt" in capsys.readouterr().err
 
 
+def test_translate_prints_each_window_as_it_ends_and_an_interrupt_keeps_them(
+    tmp_path, monkeypatch, run_cli, no_progress
+):
+    """translate decodes its input in windows of WINDOW_BATCHES batches, in input
+    order, and prints a window's lines as it ends: Ctrl-C in the second window
+    leaves the first window's lines printed, in input order (each window sorted by
+    length to decode), and exits 130."""
+    tiny_checkpoint(tmp_path / "tiny.pt", seed=0, words=["a", "dog", "runs", "cat"])
+    decoded = []
+
+    def echo_then_interrupt(model, src, *args, **options):
+        if len(decoded) == translation.WINDOW_BATCHES:  # the second window's first
+            raise KeyboardInterrupt
+        decoded.append(src.size(0))
+        return src
+
+    monkeypatch.setattr(tat, "greedy_decode", echo_then_interrupt)
+    window = translation.WINDOW_BATCHES * 64  # translate's batches hold 64
+    sentences = ["a cat runs", "dog", "a dog runs", "runs"]
+    lines = [sentences[i % 4] for i in range(window + 10)]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
+    result = run_cli("translate", "--checkpoint", str(tmp_path / "tiny.pt"))
+    assert (result.returncode, result.stderr) == (130, "interrupted\n")
+    assert decoded == [64] * translation.WINDOW_BATCHES
+    assert result.stdout.splitlines() == lines[:window]
+
+
+@pytest.mark.parametrize(
+    "argv, why",
+    [
+        (["translate", "--checkpoint", "c.pt", "--alpha", "1", "x"], "--beam K"),
+        (["translate", "--checkpoint", "c.pt", "--beam", "1", "--alpha", "0", "x"], ""),
+        (["translate", "--checkpoint", "c.pt", "--sample", "--alpha", "1", "x"], ""),
+        (["evaluate", "--checkpoint", "c.pt", "--alpha", "1"], "--beam K"),
+        (["evaluate", "--checkpoint", "c.pt", "--beam", "1", "--alpha", "2"], ""),
+    ],
+)
+def test_an_alpha_without_a_beam_exits_2_in_one_line_before_any_work(
+    argv, why, monkeypatch, run_cli
+):
+    """--alpha changes only a beam search, as --temperature only a sample: given
+    to greedy decoding or to sampling it is refused, before a model is loaded."""
+    monkeypatch.setattr(commands, "load_translator", never_run)
+    monkeypatch.setattr(commands, "evaluate", never_run)
+    penalty = "--alpha: the length penalty takes effect only in a beam search"
+    assert_one_line_error(run_cli(*argv), penalty, why)
+
+
+def test_alpha_is_0_6_unless_given_and_a_beam_takes_any_of_at_least_0(monkeypatch):
+    """The control for the refusals above: a beam (--beam K, or the one --n-best
+    K implies) searches with --alpha, 0 included, else with 0.6; evaluate hands
+    --alpha on as given (None: scoring's decode_options uses 0.6)."""
+    parser = cli.build_parser()
+    for given, alpha in [
+        (["--beam", "4"], 0.6),
+        (["--beam", "3", "--alpha", "1.5"], 1.5),
+        (["--n-best", "2", "--alpha", "0"], 0.0),
+    ]:
+        args = parser.parse_args(["translate", "--checkpoint", "c.pt", *given])
+        assert commands.translate_options(args)["alpha"] == alpha, given
+    assert f"(default: {translation.ALPHA})" in cli.ALPHA_HELP  # said without torch
+    handed = []
+    monkeypatch.setattr(commands, "evaluate", lambda *a, **k: handed.append(k))
+    for given in (["--beam", "4"], ["--beam", "4", "--alpha", "0"]):
+        commands.run(parser.parse_args(["evaluate", "--checkpoint", "c.pt", *given]))
+    assert [options["alpha"] for options in handed] == [None, 0.0]
+
+
 # ---------------------------------------------------------------------------
 # train
 
@@ -544,7 +657,11 @@ def test_train_command_sharing_embeddings_of_word_vocabularies_returns_2(
 ):
     argv = ["train", "--data-dir", str(tmp_path), "--out", str(tmp_path)]
     assert cli.main([*argv, "--share-embeddings"]) == 2
-    assert "vocab='bpe'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("error: --share-embeddings needs --vocab bpe"), err
+    # multi30k's vocabulary is bpe: it shares without --vocab (the data is missing)
+    assert cli.main([*argv, "--share-embeddings", "--profile", "multi30k"]) == 1
+    assert "train.de.gz" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------
@@ -839,8 +956,18 @@ def test_attention_command_with_a_head_that_does_not_exist_returns_2(
 ):
     argv = attention_argv(trained_checkpoint, tmp_path)
     assert cli.main([*argv, "--head", "5", SENTENCE]) == 2
-    assert "heads must be in 0..1" in capsys.readouterr().err
+    assert "--head must be in 0..1, got [5]" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_attention_with_a_layer_the_model_lacks_names_the_option_and_its_range(
+    trained_checkpoint, tmp_path, run_cli
+):
+    """The smoke model has one layer: 0, or -1 counted back from the last."""
+    argv = attention_argv(trained_checkpoint, tmp_path)
+    result = run_cli(*argv, "--layer", "5", SENTENCE)
+    assert_one_line_error(result, "--layer must be in 0..0 (or -1..-1 from the last)")
+    assert "got 5" in result.stderr and not list(tmp_path.iterdir())
 
 
 # ---------------------------------------------------------------------------
@@ -873,6 +1000,16 @@ def test_reproduce_rejects_bad_lists_of_choices(tmp_path, run_cli, flag, value):
     result = run_cli("reproduce", "--data-dir", str(tmp_path), flag, value)
     expected = f"argument {flag}: must be numbers separated by commas, each a"
     assert_one_line_error(result, expected, f"got {value!r}")
+
+
+def test_reproduce_takes_alphas_of_0_as_translate_does(tmp_path, monkeypatch, run_cli):
+    handed = {}
+    monkeypatch.setattr(commands, "reproduce", lambda *args, **k: handed.update(k))
+    assert run_cli("reproduce", "--data-dir", "d", "--alphas", "0,0.6").returncode == 0
+    assert handed["alphas"] == (0.0, 0.6)
+    # The library goes past its check of the alphas to the run it lacks.
+    with pytest.raises(FileNotFoundError, match="no trained run"):
+        reproduce.reproduce("smoke", tmp_path, tmp_path, None, alphas=(0,), train=False)
 
 
 def test_reproduce_without_a_trained_run_says_so(tmp_path, run_cli):
@@ -1177,8 +1314,8 @@ def test_ctrl_c_mentions_saved_epochs_only_for_commands_that_save_them(
 
 def test_translate_into_a_closed_pipe_exits_quietly(monkeypatch, capsys):
     class Translator:
-        def translate(self, sentences, **options):
-            return [s.upper() for s in sentences]
+        def translations(self, sentences, **options):
+            return (s.upper() for s in sentences)
 
     class ClosedPipe:
         def write(self, text):
@@ -1375,7 +1512,7 @@ def test_out_of_memory_gets_its_own_line_saying_what_to_lower(
             "capacity of 7.6 GiB of which 1.1 GiB is free."
         )
 
-    monkeypatch.setattr(translation.Translator, "translate", out_of_memory)
+    monkeypatch.setattr(translation.Translator, "translations", out_of_memory)
     argv = ["translate", "--checkpoint", str(smoke_run.out / "last.pt"), "Ein Hund."]
     line = assert_one_line_error(run_cli(*argv), "out of memory", "--beam", status=1)
     assert "Tried to allocate 2.00 GiB" in line and "report it" not in line
@@ -1725,7 +1862,7 @@ BAD_INPUT = {
     "a head the model lacks": (
         lambda it: ["attention", "--checkpoint", str(it.last), "--head", "9", "x"],
         2,
-        ["heads must be in 0..1"],
+        ["--head must be in 0..1"],
     ),
     "Ctrl-C during a run": (
         lambda it: (
@@ -1913,9 +2050,11 @@ def test_keep_checkpoints_prunes_a_runs_epochs_logs_steps_and_names_what_it_save
     steps = [line for line in result.stdout.splitlines() if "| optimizer steps" in line]
     lr = r" \| loss \(smoothed\) +\d+\.\d{4} \| lr \d\.\d\de[-+]\d\d"
     assert steps and all(re.search(lr + "$", line) for line in steps), steps
-    last = result.stdout.splitlines()[-1]
-    assert last.startswith(f"saved {out / 'last.pt'} (epoch 3; this invocation ")
-    assert last.endswith(f'translate --checkpoint {out / "last.pt"} "Ein Satz."')
+    saved, score = result.stdout.splitlines()[-2:]
+    assert saved.startswith(f"saved {out / 'last.pt'} (epoch 3; this invocation ")
+    assert saved.endswith(f'translate --checkpoint {out / "last.pt"} "Ein Satz."')
+    evaluate = f"python -m workshop evaluate --checkpoint {out / 'last.pt'}"
+    assert score == f"score it: {evaluate}"
     resumed = run_cli(*argv[:-1], "4", "--resume", "--keep-checkpoints", "1", "--quiet")
     assert resumed.returncode == 0, resumed.stderr
     assert [p.name for p in checkpoints.epoch_files(out)] == ["epoch_004.pt"]
@@ -1932,6 +2071,30 @@ def test_the_help_gives_keep_checkpoints_default_and_meaning(run_cli):
         "--keep-checkpoints N keep the newest N epoch_NNN.pt files and delete older "
         "ones as each epoch ends (last.pt is always kept; default: the profile's, 5)"
     ) in text
+
+
+def test_every_option_that_takes_a_value_says_its_default_in_the_help():
+    """Each option of each command that takes a value and may be left out says in
+    its --help what holds without it: the default argparse is given (added to the
+    help by the command line's parser), or, where that is None, what None means
+    (the profile's, every word, none written, ...)."""
+    parser = cli.build_parser()
+    silent = []
+    for name in parser.command_names:
+        command = parser.commands[name]
+        # Read only: argparse lists a parser's options and groups no other way.
+        groups = command._mutually_exclusive_groups
+        one_of = [a for group in groups if group.required for a in group._group_actions]
+        for action in command._actions:
+            takes = action.option_strings and action.nargs != 0
+            if not takes or action.required or action in one_of:
+                continue
+            formatter = command.formatter_class(prog=command.prog)
+            formatter.add_argument(action)
+            shown = " ".join(formatter.format_help().split())
+            if "default" not in shown:
+                silent.append(f"{name} {shown}")
+    assert silent == []
 
 
 def test_every_option_of_every_command_says_what_it_does(run_cli):
@@ -1954,7 +2117,7 @@ def test_attention_draws_the_last_layers_every_head_into_runs_by_default(
 ):
     drawn = []
 
-    def save_attention_maps(checkpoint, sentence, out, layer, heads, device=None):
+    def save_attention_maps(checkpoint, sentence, out, layer, heads, **where):
         drawn.append((str(out), layer, heads))
         return []
 

@@ -8,6 +8,7 @@ tests/test_part5_decoding.py.
 
 import io
 import math
+import re
 
 import pytest
 import test_devices
@@ -47,6 +48,38 @@ def test_translate_answers_each_sentence_in_its_place_a_blank_one_with_nothing(
     sentences = ["a dog", "", "runs", "   ", "a cat runs", "dog"]
     answers = echoing.translate(sentences, batch_size=2, decode=echo)
     assert answers == ["a dog", "", "runs", "", "a cat runs", "dog"]
+
+
+def test_translations_hands_out_the_first_answers_before_the_last_window_is_decoded(
+    echoing,
+):
+    """The input is decoded in windows of WINDOW_BATCHES batches, in input order:
+    the first answers come once the first window is decoded, though the sentence
+    that starts the input is the longest of its window (decoded last in it). The
+    answers, blank ones included, are translate's, in input order."""
+    decoded = []
+
+    def recording(model, src, *args, **options):
+        decoded.append(src.size(0))
+        return src
+
+    window = translation.WINDOW_BATCHES  # sentences, in batches of 1
+    sentences = ["a cat runs", "dog", "", "a dog", *["runs", ""] * window]
+    answers = echoing.translations(sentences, batch_size=1, decode=recording)
+    assert decoded == []  # an iterator: nothing is decoded before it is asked
+    first = next(answers)
+    assert first == "a cat runs" and decoded == [1] * window
+    rest = list(answers)
+    assert len(decoded) == len([s for s in sentences if s]) == window + 3
+    assert [first, *rest] == [s.strip() for s in sentences]
+    assert echoing.translate(sentences, batch_size=1, decode=echo) == [first, *rest]
+
+
+def test_translations_checks_its_arguments_before_it_is_iterated(echoing):
+    with pytest.raises(UsageError, match="n_best 2 needs a beam of at least 2"):
+        echoing.translations(["a dog"], n_best=2)
+    blank = echoing.translations(["", " "], n_best=2, beam_size=2)  # all blank
+    assert list(blank) == [[], []]
 
 
 def test_the_batches_translate_the_blank_sentences_not(echoing):
@@ -128,6 +161,17 @@ def test_n_best_without_a_beam_that_large_is_refused_saying_what_to_pass(
 
 # ---------------------------------------------------------------------------
 # Sampling
+
+
+def test_an_alpha_without_a_beam_is_refused_and_a_beam_without_one_takes_0_6():
+    """alpha changes only a beam search: given to greedy decoding or sampling it
+    is refused, as sampling's options are without sample=True."""
+    with pytest.raises(UsageError, match=r"^alpha: .* only in a beam search \(beam_"):
+        translation.decode_options(alpha=1.0)
+    with pytest.raises(UsageError, match="beam search, and sample draws"):
+        translation.decode_options(alpha=0.6, sample=True)
+    assert translation.decode_options(4)["alpha"] == translation.ALPHA == 0.6
+    assert translation.decode_options(4, 0)["alpha"] == 0
 
 
 def test_filter_log_probs_keeps_the_top_k_and_the_fewest_that_hold_top_p():
@@ -257,13 +301,17 @@ def test_progress_says_what_is_done_and_estimates_the_rest_at_its_pace():
     clock.now = 12.0
     progress.say("sentences 3 to 4 of 4: word 7")  # 2 s after the last line: nothing
     clock.now = 15.0
-    progress.say("sentences 3 to 4 of 4: word 8")
-    clock.now = 16.0
+    progress.say("sentences 3 to 4 of 4: word 8", 3 / 4)  # in 15 s: 5 s more
+    clock.now = 21.0
+    progress.say("sentences 3 to 4 of 4: word 9")  # no share: no estimate
+    clock.now = 26.0
     progress.say("4 of 4 sentences done", 1.0, now=True)  # the end, said at once
     assert stream.getvalue().splitlines() == [
         "translating: 2 of 4 sentences done, 0:00:10 so far, about 0:00:10 left",
-        "translating: sentences 3 to 4 of 4: word 8, 0:00:15 so far",
-        "translating: 4 of 4 sentences done, 0:00:16 so far",
+        "translating: sentences 3 to 4 of 4: word 8, 0:00:15 so far, about 0:00:05 "
+        "left",
+        "translating: sentences 3 to 4 of 4: word 9, 0:00:21 so far",
+        "translating: 4 of 4 sentences done, 0:00:26 so far",
     ]
     assert progress.said
 
@@ -288,6 +336,28 @@ def test_the_progress_cache_is_the_books_cache_telling_each_step():
     found = tat.greedy_decode(model, src, mask, 6, test_devices.START, cache=cache)
     book = tat.cached_greedy_decode(model, src, mask, 6, test_devices.START)
     assert torch.equal(found, book) and told == [1, 2, 3, 4, 5]
+
+
+def test_inside_a_batch_the_estimate_counts_the_share_of_its_words_done(echoing):
+    """Halfway through the words of the first batch (2 of 4 sentences), after
+    10 s, the work done is 2 * 1/2 of 4 sentences: a quarter, so 30 s are left."""
+    clock, stream = Clock(), io.StringIO()
+    progress = translation.Progress(stream, every=0, clock=clock)
+
+    def halfway(model, src, src_mask, max_len, start_symbol, cache, **options):
+        clock.now += 10.0
+        cache.on_step((max_len - 1) // 2)  # of at most max_len - 1 words
+        return src
+
+    sentences = ["a dog runs", "a cat runs"] * 2  # 5 ids: 54 words at most, even
+    echoing.translate(sentences, batch_size=2, progress=progress, decode=halfway)
+    first = stream.getvalue().splitlines()[0]
+    said = re.fullmatch(
+        r"translating: sentences 1 to 2 of 4: word (\d+) of at most "
+        r"(\d+), 0:00:10 so far, about 0:00:30 left",
+        first,
+    )
+    assert said and 2 * int(said[1]) == int(said[2]), first
 
 
 def test_translate_tells_progress_each_batch_and_each_word(translator):

@@ -4,7 +4,7 @@ failure ends.
 The arguments are parsed first, with the standard library alone (`--help` and a
 mistyped option answer at once); torch, the book and the rest of the workshop are
 imported only then, to run the command (workshop/commands.py). Every failure ends
-as one line on stderr that says what was wrong, and an exit status: 2 for a
+as one line on stderr, `error: ` and what was wrong, and an exit status: 2 for a
 command line that cannot work, 1 for a failure while it ran, 130 when interrupted
 (workshop/errors.py says which is which).
 """
@@ -47,7 +47,7 @@ class _Parser(argparse.ArgumentParser):
         return super().add_argument(*args, **kwargs)
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 def _number(kind, holds, what, many=False):
@@ -104,6 +104,8 @@ DATA_DIR = f"the Multi30k folder (default: ${DATA_ENV}, else data/multi30k)"
 DEVICE_HELP = "cpu, cuda, cuda:N or mps (default: the GPUs, if any)"
 PRETRAINED_HELP = "a published Marian model instead of a checkpoint: its Hugging Face "
 PRETRAINED_HELP += "hub name (Helsinki-NLP/opus-mt-de-en) or a folder of its files"
+ALPHA_HELP = "beam search's length penalty α, with a beam of at least 2 (default: 0.6)"
+PROFILES = "(default: the profile's; resuming, the run's)"
 
 
 def _command(commands, name, help, *common, **kwargs):
@@ -146,18 +148,20 @@ def build_parser():
     add("--profile", choices=PROFILE_NAMES, metavar="NAME", help=profile)
     add("--resume", action="store_true", help="continue the run in --out")
     epochs = "epochs to train (instead of a FLOP budget), or more to resume"
-    add("--epochs", type=COUNT, help=epochs)
-    add("--max-tokens", type=COUNT, help="tokens per batch")
-    add("--accum-iter", type=COUNT, help="micro-batches a step")
+    add("--epochs", type=COUNT, help=f"{epochs} {PROFILES}")
+    add("--max-tokens", type=COUNT, help=f"tokens per batch {PROFILES}")
+    add("--accum-iter", type=COUNT, help=f"micro-batches a step {PROFILES}")
     precision = "fp32, bf16 (autocast) or auto: bf16 where the hardware reports it "
     precision += "(default: the profile's, auto)"
     add("--precision", choices=("fp32", "bf16", "auto"), help=precision)
     bf16 = dict(action="store_const", const="bf16", dest="precision")
     add("--bf16", **bf16, help="the same as --precision bf16")
-    limit = "minutes this invocation may train: it starts no epoch that would end later"
+    limit = "minutes this invocation may train: it starts no epoch that would end "
+    limit += "later (default: the profile's, none but multi30k's 90; resuming, none)"
     add("--time-limit", type=POSITIVE, help=limit)
-    add("--vocab", choices=("word", "bpe"), help="words (default) or joint subwords")
-    add("--bpe-vocab-size", type=COUNT, help="subword vocabulary size")
+    vocab = "words, or joint subwords (default: the profile's, word but multi30k's "
+    add("--vocab", choices=("word", "bpe"), help=vocab + "bpe; resuming, the run's)")
+    add("--bpe-vocab-size", type=COUNT, help=f"subword vocabulary size {PROFILES}")
     share = "one matrix for both embeddings and the output (needs --vocab bpe)"
     add("--share-embeddings", action="store_true", help=share)
     keep = "keep the newest N epoch_NNN.pt files and delete older ones as each epoch "
@@ -171,7 +175,7 @@ def build_parser():
     common, name = ("pretrained", "device"), "translate German sentences"
     add = _command(commands, "translate", name, *common, description=what)
     add("--beam", type=COUNT, help="beam size (default: 1, greedy; with --n-best K, K)")
-    add("--alpha", type=ALPHA, default=0.6, help="beam's length penalty α")
+    add("--alpha", type=ALPHA, help=ALPHA_HELP)
     n_best = "print each sentence's K best, best first, as LINE<tab>SCORE<tab>TEXT "
     n_best += "(SCORE: the search's log-probability); 1: the translation alone"
     add("--n-best", type=COUNT, default=1, metavar="K", help=n_best)
@@ -180,8 +184,10 @@ def build_parser():
     t = "with --sample: below 1 sharpens the distribution, above 1 flattens it"
     add("--temperature", type=FINITE, default=1.0, help=t)
     only = "with --sample: draw only from the"
-    add("--top-k", type=COUNT, metavar="K", help=f"{only} K most likely words")
-    p = f"{only} fewest most likely words that hold probability P together"
+    k = f"{only} K most likely words (default: every word)"
+    add("--top-k", type=COUNT, metavar="K", help=k)
+    p = f"{only} fewest most likely words that hold probability P together "
+    p += "(default: 1, every word)"
     add("--top-p", type=PROBABILITY, metavar="P", help=p)
     seed = "with --sample: the same seed draws the same again (default: a fresh one)"
     add("--seed", type=int, help=seed)
@@ -193,9 +199,10 @@ def build_parser():
     add = _command(commands, "evaluate", "BLEU of a model", *common)
     add("--split", default="test_2016_flickr", help="NAME of NAME.de.gz, NAME.en.gz")
     add("--beam", type=COUNT, default=1, help="beam size (1: greedy)")
-    add("--output", type=FILE, help="write the translations to this file")
+    output = "write the translations to this file (default: none written)"
+    add("--output", type=FILE, help=output)
     add("--batch-size", type=COUNT, default=64, help="sentences translated at once")
-    add("--alpha", type=ALPHA, default=0.6, help="beam's length penalty α")
+    add("--alpha", type=ALPHA, help=ALPHA_HELP)
     repro = "train, average, choose on val, score test: a Results row"
     add = _command(commands, "reproduce", repro, "data", "device")
     profile = dict(choices=PROFILE_NAMES, metavar="NAME", help="settings: %(choices)s")
@@ -208,7 +215,8 @@ def build_parser():
     add("--average", type=COUNTS, default="2,3,4,5", help="averages of last K epochs")
     add("--beam", type=COUNTS, default="4,6", help="beam sizes to try on val")
     add("--alphas", type=ALPHAS, default="0.6,1,1.5,2,2.5,3", help="α's to try on val")
-    add("--limit", type=COUNT, help="score only the first N sentences")
+    limit = "score only the first N sentences of each split (default: all)"
+    add("--limit", type=COUNT, help=limit)
     add("--no-train", action="store_true", help="report on the run already in --out")
     add = _command(commands, "average", "average checkpoints of a run")
     add("checkpoints", nargs="+", help="epoch_NNN.pt files")
@@ -225,6 +233,7 @@ def build_parser():
 
 
 TRAINING = ("train", "reproduce")  # the commands that save epochs as they go
+OWN_MODULES = ("workshop", "the_annotated_transformer", "tools")  # not requirements
 # What to lower, per command, when the device runs out of memory.
 OUT_OF_MEMORY_ADVICE = {
     "train": "lower --max-tokens (and raise --accum-iter), or ",
@@ -271,9 +280,17 @@ def main(argv=None):
 
 
 def _one_line(error, command):
-    """An exception as one line: what to do for an out-of-memory error, the message
-    of an expected one, and its type too for an unexpected one."""
+    """An exception as one line: which Python to use for a package it lacks (torch,
+    when run outside the project's environment), what to do for an out-of-memory
+    error, the message of an expected one, and its type too for an unexpected one."""
     text = " ".join(str(error).split()) or type(error).__name__
+    missing = isinstance(error, ModuleNotFoundError) and (error.name or "")
+    missing = missing and missing.split(".")[0]  # the package
+    if missing and missing not in OWN_MODULES:  # run by another Python than .venv's
+        venv = ".venv/bin/python -m workshop (after `make setup`)"
+        pip = f"{sys.executable} -m pip install -r requirements.txt"
+        where = f"{missing} is not installed for {sys.executable}: run {venv}"
+        return f"{where}, or install the project's requirements: {pip}"
     if is_out_of_memory(error):
         advice = OUT_OF_MEMORY_ADVICE.get(command, "")
         what = ". ".join(text.split(". ")[:3]).rstrip(".")  # what, how much, room

@@ -58,6 +58,10 @@ def train_changes(args):
 
 
 def train(args):
+    if args.share_embeddings and not args.resume:  # a resumed run keeps its own
+        vocab = args.vocab or RunConfig.from_profile(args.profile or "quick").vocab
+        bpe = "--share-embeddings needs --vocab bpe (one vocabulary for both "
+        require(vocab == "bpe", bpe + f"languages); this run's would be {vocab}.")
     changes, options = train_changes(args), vars(args)
     options = {k: options[k] for k in ("nprocs", "quiet", "device")}
     config = None  # resuming: the run's own settings; only RESUMABLE ones change
@@ -76,7 +80,7 @@ def sentences_to_translate(arguments):
     if not arguments and sys.stdin.isatty():
         print("German sentences, one per line; end with Ctrl-D:", file=sys.stderr)
     sentences = [s.strip() for s in arguments or sys.stdin]
-    no = "translate: no sentences given: pass them as arguments, or one per line on "
+    no = "no sentences given: pass them as arguments, or one per line on "
     require(any(sentences), no + "standard input.")
     return sentences
 
@@ -98,15 +102,18 @@ def translate_options(args):
 
 
 def translate(args):
+    """Each sentence's line (or n-best lines) printed as soon as it and the ones
+    before it are translated: an interrupted job keeps what it printed."""
     options = translate_options(args)
     translator = translator_of(args)
     sentences = sentences_to_translate(args.sentences)
     options.update(n_best=args.n_best, progress=translation.Progress())
-    found = translator.translate(sentences, **options)
+    found = translator.translations(sentences, **options)
     for number, answer in enumerate(found, 1):
         lines = [answer] if args.n_best == 1 else answer
         for line in lines:
-            print(line if args.n_best == 1 else f"{number}\t{line[1]:.4f}\t{line[0]}")
+            text = line if args.n_best == 1 else f"{number}\t{line[1]:.4f}\t{line[0]}"
+            print(text, flush=True)
 
 
 def figures(args):
@@ -121,6 +128,7 @@ def translator_of(args):
 
 
 def evaluate_command(args):
+    translation.decode_options(args.beam, args.alpha, flags=True)  # before any work
     model = translator_of(args) if args.pretrained else args.checkpoint
     where = (model, data_dir_of(args), args.split, args.beam, args.output)
     evaluate(*where, args.batch_size, alpha=args.alpha, device=args.device)
@@ -142,7 +150,7 @@ def average(args):
 
 def attention(args):
     drawn = (args.checkpoint, args.sentence, args.out, args.layer, args.heads)
-    for path in save_attention_maps(*drawn, device=args.device):
+    for path in save_attention_maps(*drawn, device=args.device, flags=True):
         print(f"wrote {path}")
 
 

@@ -7,7 +7,8 @@ its arguments and report a failure without importing torch.
   value, or a combination of options, the command cannot use). Fix the command.
 - 1: the command was right but failed while it ran: a DataError (a data file or a
   checkpoint is missing or damaged), an OSError (a file, a folder, a full disk, the
-  network, a run folder held by another process), out of memory; and anything
+  network, a run folder held by another process), out of memory, a required
+  package this Python lacks (run outside the project's environment); and anything
   unexpected, a plain ValueError included (torch raises them deep inside a run),
   which the command line asks to be reported. Fix what the message names, then run
   the same command again.

@@ -40,9 +40,10 @@ def save_png(figure, path):
     return atomic_write_bytes(path, png)
 
 
-def attention_maps(translator, sentence, layer=0, heads=None):
+def attention_maps(translator, sentence, layer=0, heads=None, flags=False):
     """The three attention charts of one layer (counted from 0; -1 is the last) for
-    `sentence`, keyed by kind: a heat map per head (all by default)."""
+    `sentence`, keyed by kind: a heat map per head (all by default). flags=True
+    names `layer` and `heads` in its messages as the command line does."""
     found = tat.attention_weights(translator, sentence)
     vocabs = {"src": translator.vocab_src, "tgt": translator.vocab_tgt}
     for kind, (_, queries, keys) in KINDS.items():
@@ -51,10 +52,11 @@ def attention_maps(translator, sentence, layer=0, heads=None):
     table = tat.attention_table(found)
     n_layers, n_heads = table["layer"].max() + 1, table["head"].max() + 1
     heads = list(range(n_heads)) if heads is None else list(heads)
-    ok = -n_layers <= layer < n_layers
-    require(ok, f"layer must be in 0..{n_layers - 1}, got {layer}.")
+    names = ("--layer", "--head") if flags else ("layer", "heads")
+    ok, back = -n_layers <= layer < n_layers, f"-{n_layers}..-1 from the last"
+    require(ok, f"{names[0]} must be in 0..{n_layers - 1} (or {back}), got {layer}.")
     ok = heads and all(0 <= head < n_heads for head in heads)
-    require(ok, f"heads must be in 0..{n_heads - 1}, got {heads}.")
+    require(ok, f"{names[1]} must be in 0..{n_heads - 1}, got {heads}.")
     layer %= n_layers
     table = table[(table["layer"] == layer) & table["head"].isin(heads)]
     charts = {}
@@ -75,11 +77,13 @@ def readable(vocab, tokens):
 
 
 def save_attention_maps(
-    checkpoint, sentence, out_dir, layer=0, heads=None, device=None
+    checkpoint, sentence, out_dir, layer=0, heads=None, device=None, flags=False
 ):
     """Write the three attention maps of `sentence` as PNG files; returns the paths.
-    `device`: where the checkpoint's model runs (default: the book's default)."""
-    maps = attention_maps(load_translator(checkpoint, device), sentence, layer, heads)
+    `device`: where the checkpoint's model runs (default: the book's default);
+    `flags`: as attention_maps'."""
+    translator = load_translator(checkpoint, device)
+    maps = attention_maps(translator, sentence, layer, heads, flags)
     return [
         save_png(map_, Path(out_dir) / f"{kind}.png") for kind, map_ in maps.items()
     ]

@@ -58,13 +58,13 @@ def reproduce(
     """
     counts = (*windows, *beam_sizes, *([] if limit is None else [limit]))
     ok = alphas and beam_sizes and all(type(k) is int and k >= 1 for k in counts)
-    require(ok, "reproduce: windows, beam sizes and limit are whole numbers >= 1.")
+    require(ok, "windows, beam sizes and limit must be whole numbers >= 1.")
     for alpha in alphas:
         check_alpha(alpha)
     committed = {Path(f).resolve() for f in (results_dir, images_dir) if f} & COMMITTED
     require(
         not (results_dir and limit and committed),
-        f"reproduce: limit={limit} scores only {limit} sentences of each split, "
+        f"limit={limit} scores only {limit} sentences of each split, "
         f"which is no result to write into {min(committed, default='')}, the "
         "checkout's committed results: name another folder (--results, --images).",
     )
@@ -110,7 +110,7 @@ def _report(
             why = f"{out_dir} holds only its newest {len(epochs)} epoch checkpoints "
             why += f"of {len(history)} (train --keep-checkpoints N keeps N; this "
             why += f"run's is {run['config'].get('keep_checkpoints')})"
-        warn(f"reproduce: averages of the last {dropped} epochs dropped: {why}.")
+        warn(f"averages of the last {dropped} epochs dropped: {why}.")
     for k in sorted({k for k in windows if 1 < k <= len(epochs)}):
         path = out_dir / f"average_last_{k}.pt"
         average_checkpoints(epochs[-k:], path)
@@ -125,7 +125,8 @@ def _report(
             chosen, translator = name, candidate
     by_search, settings = {}, {}
     for beam_size, alpha in itertools.product(beam_sizes, alphas):
-        search = dict(alpha=alpha, limit=limit, quiet=True)
+        # a beam of 1 is greedy decoding, which has no length penalty
+        search = dict(alpha=alpha if beam_size > 1 else None, limit=limit, quiet=True)
         score = evaluate(translator, data_dir, "val", beam_size, **search)
         name = f"beam {beam_size}, alpha {alpha:g}"
         by_search[name], settings[name] = score["bleu"], (beam_size, alpha)
@@ -136,7 +137,8 @@ def _report(
     say(f"chosen on validation: {chosen}, {search}; now the test set")
     test, scoring = "test_2016_flickr", dict(quiet=quiet, limit=limit)
     greedy = evaluate(translator, data_dir, test, **scoring)
-    beam = evaluate(translator, data_dir, test, beam_size, alpha=alpha, **scoring)
+    scoring["alpha"] = alpha if beam_size > 1 else None
+    beam = evaluate(translator, data_dir, test, beam_size, **scoring)
     hypotheses = greedy.pop("hypotheses"), beam.pop("hypotheses")
     examples = zip(read_split(data_dir, test)[:5], *hypotheses, strict=False)
     trained, config = run.get("provenance") or None, run["config"]  # as recorded

@@ -116,12 +116,12 @@ def average_checkpoints(paths, out):
     """
     paths, out = [Path(p) for p in paths], Path(out)
     if not paths:
-        raise UsageError("average: name at least one checkpoint to average.")
+        raise UsageError("name at least one checkpoint to average.")
     if out.resolve() in [p.resolve() for p in paths] or (
         out.name == "last.pt" or epoch_number(out) is not None
     ):
         raise UsageError(
-            f"average: --out {out} is one of the averaged checkpoints or a name a "
+            f"--out {out} is one of the averaged checkpoints or a name a "
             "run gives its own (last.pt, epoch_NNN.pt); write it to another file, "
             f"e.g. --out {out.with_name('averaged.pt')}."
         )

@@ -188,6 +188,8 @@ def train(job):
             f"saved {path} (epoch {done}{which}; this invocation {spent}); translate "
             f'with it: {use} {shlex.quote(str(path))} "Ein Satz."'
         )
+        score = ["python", "-m", "workshop", "evaluate", "--checkpoint", str(path)]
+        print(f"score it: {shlex.join(score)}")
     return run.history
 
 

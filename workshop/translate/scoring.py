@@ -22,14 +22,15 @@ def evaluate(
     output=None,
     batch_size=64,
     quiet=False,
-    alpha=0.6,
+    alpha=None,
     limit=None,
     device=None,
 ):
     """Translate a split's German side with `translator` (a Translator, or the path
     of a checkpoint) and score it with sacreBLEU; returns a dict.
 
-    `alpha` is beam search's length-penalty exponent (unused by greedy decoding);
+    `alpha` is beam search's length-penalty exponent (None: decode_options' 0.6;
+    refused for greedy decoding, which it would not change);
     `limit` scores only the split's first sentences (for quick checks); `device`
     is where a checkpoint's model translates (default: the book's default_device).
     An `output` that cannot be written is refused before anything is translated.
@@ -40,7 +41,7 @@ def evaluate(
         check_positive_int(batch_size=batch_size)
     options = decode_options(beam_size, alpha)
     reason = output and why_unwritable(output)
-    require(not reason, f"evaluate: cannot write to {output}: {reason}.")
+    require(not reason, f"cannot write to {output}: {reason}.")
     pairs = read_split(data_dir, split)[:limit]
     if not pairs:
         raise DataError(f"split {split!r} in {data_dir} is empty: nothing to score.")
@@ -61,7 +62,7 @@ def evaluate(
     hyps, refs = ([" ".join(tokenize(t, spacy_en)) for t in ts] for ts in texts)
     score_lc = bleu_lc.corpus_score(hyps, [refs])
     result = dict(split=split, beam_size=beam_size, bleu=score.score)
-    result.update(alpha=alpha if beam_size > 1 else None, brevity_penalty=score.bp)
+    result.update(alpha=options.get("alpha"), brevity_penalty=score.bp)
     result.update(signature=str(bleu.get_signature()), n=len(pairs))
     result["precisions"] = list(score.precisions)
     result["length_ratio"] = score.sys_len / score.ref_len  # output words a reference's
@@ -70,7 +71,8 @@ def evaluate(
     written = None if output is None else str(output)
     result.update(seconds=seconds, output=written, hypotheses=hypotheses)
     if not quiet:
-        decoding = f"beam {beam_size}, alpha {alpha:g}" if beam_size > 1 else "greedy"
+        alpha = result["alpha"]  # None: greedy
+        decoding = "greedy" if alpha is None else f"beam {beam_size}, alpha {alpha:g}"
         took = f"({decoding}) in {seconds:.1f} s"
         print(f"{split}: {len(pairs)} sentences translated {took}")
         print(f"sacreBLEU: {score}\nsignature: {result['signature']}")

@@ -10,7 +10,9 @@ one, a sentence longer than the model's positions cut to fit, with a warning (an
 longer than the sentences the model was trained on warned about), and a sentence of
 more than MAX_SENTENCE_CHARACTERS refused. `n_best=K` answers each with its K best
 (translation, score) pairs instead; `progress=Progress()` says how far a long job
-has come. Sampling (sample_decode) is the one search the book does not hold.
+has come. `Translator.translations(...)` hands out the same answers one at a time,
+each as soon as it and every sentence before it are translated. Sampling
+(sample_decode) is the one search the book does not hold.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ from workshop.run.checkpoints import load_checkpoint, model_from_checkpoint
 # or a file that is not text): decoding it would take minutes to give nothing useful.
 MAX_SENTENCE_CHARACTERS = 100_000
 PROGRESS_EVERY_S = 5.0  # seconds between two progress lines, and before the first
+# Batches in a window of the input: Translator.translations sorts by length within a
+# window (similar lengths in a batch pad little) and answers a window's sentences
+# once it is done, so the first answers come before the last sentences are decoded.
+WINDOW_BATCHES = 8
+ALPHA = 0.6  # beam search's length-penalty exponent unless one is given
 SAMPLING = dict(temperature=1.0, top_k=None, top_p=None, seed=None)  # their defaults
 
 
@@ -59,12 +66,13 @@ class Progress:
 
     def say(self, text, share=None, now=False):
         """Say `text` unless the last line is younger than `every` (now=True: say it
-        anyway); `share`: the fraction of the work done."""
+        anyway); `share`: the fraction of the work done, which gives the estimate
+        of the time left (at the pace so far) while it is above 0 and below 1."""
         spent = self.clock() - self.began
         if now or self.clock() - self.last >= self.every:
             self.last, self.said = self.clock(), True
-            left = spent / share - spent if share else 0
-            left = f", about {_duration(left)} left" if left else ""
+            left = share is not None and 0 < share < 1
+            left = f", about {_duration(spent / share - spent)} left" if left else ""
             text = f"translating: {text}, {_duration(spent)} so far{left}"
             print(text, file=self.stream or sys.stderr, flush=True)
 
@@ -116,6 +124,19 @@ class Translator(tat.Translator):
         sample=, temperature=, top_k=, top_p=, seed=), or what it returns (decode=
         and its options, each search given cache=); the default is greedy.
         `progress`: a Progress, told how far the work has come."""
+        found = self.translations(
+            sentences, batch_size, n_best=n_best, progress=progress, **options
+        )
+        return list(found)
+
+    def translations(
+        self, sentences, batch_size=64, *, n_best=1, progress=None, **options
+    ):
+        """translate's answers, one at a time, in order: an iterator that hands out
+        each answer as soon as it and every sentence before it are translated. The
+        arguments are checked at once, before any work. The sentences are decoded in
+        windows of WINDOW_BATCHES batches, in input order; within a window they are
+        sorted by length, so that a batch holds sentences of similar lengths."""
         sentences = [sentences] if isinstance(sentences, str) else list(sentences)
         for number, sentence in enumerate(sentences, 1):
             check_sentence(number, sentence)
@@ -127,31 +148,44 @@ class Translator(tat.Translator):
             seed = options.pop("seed")
             seed = secrets.randbits(63) if seed is None else seed
             options["generator"] = torch.Generator(self.device()).manual_seed(seed)
-        wanted = [i for i, sentence in enumerate(sentences) if sentence.strip()]
-        found = self.encode([sentences[i] for i in wanted], [i + 1 for i in wanted])
-        encoded, n = dict(zip(wanted, found, strict=True)), len(wanted)
-        out = [[] if n_best > 1 else "" for _ in sentences]
-        order = sorted(wanted, key=lambda i: len(encoded[i]))
         progress = progress or Progress(every=math.inf)
-        for start in range(0, n, batch_size):
-            chunk = order[start : start + batch_size]
-            src_ids, done = [encoded[i] for i in chunk], start + len(chunk)
-            which = f"sentences {start + 1:,} to {done:,} of {n:,}: word"
-            found = self.search(src_ids, n_best, options, which, progress)
-            for i, answer in zip(chunk, found, strict=True):
-                out[i] = answer
-            said = f"{done:,} of {n:,} sentences done"
-            progress.say(said, done / n, done == n and progress.said)
-        return out
+        return self._answers(sentences, batch_size, n_best, options, progress)
 
-    def search(self, src_ids, n_best, options, which, progress):
-        """One batch decoded with the search in `options`, a ProgressCache saying
-        each word on `progress`: a text per sentence, or (text, score) pairs."""
+    def _answers(self, sentences, batch_size, n_best, options, progress):
+        """The generator behind translations, its arguments checked."""
+        wanted = [i for i, sentence in enumerate(sentences) if sentence.strip()]
+        n, done, answered, window = len(wanted), 0, 0, WINDOW_BATCHES * batch_size
+        chunk = []  # the batch being decoded: sentences done + 1 to done + len(chunk)
+
+        def on_step(word, most):  # the batch's words: `word` of at most `most`
+            which = f"sentences {done + 1:,} to {done + len(chunk):,} of {n:,}"
+            share = (done + len(chunk) * word / most) / n
+            progress.say(f"{which}: word {word:,} of at most {most:,}", share)
+
+        for begin in range(0, max(n, 1), window):  # once if every sentence is blank
+            part = wanted[begin : begin + window]
+            found = self.encode([sentences[i] for i in part], [i + 1 for i in part])
+            encoded = dict(zip(part, found, strict=True))
+            order, answers = sorted(part, key=lambda i: len(encoded[i])), {}
+            for start in range(0, len(order), batch_size):
+                chunk = order[start : start + batch_size]
+                src_ids = [encoded[i] for i in chunk]
+                found = self.search(src_ids, n_best, options, on_step)
+                answers |= dict(zip(chunk, found, strict=True))
+                done += len(chunk)
+                said = f"{done:,} of {n:,} sentences done"
+                progress.say(said, done / n, done == n and progress.said)
+            end = wanted[begin + window] if begin + window < n else len(sentences)
+            for i in range(answered, end):  # this window's, and the blanks among them
+                yield answers[i] if i in answers else [] if n_best > 1 else ""
+            answered = end
+
+    def search(self, src_ids, n_best, options, on_step):
+        """One batch decoded with the search in `options`, on a ProgressCache that
+        calls on_step(word, most) after each word (of at most `most`): a text per
+        sentence, or (text, score) pairs."""
         max_len = min(max(map(len, src_ids)) + 50, positions(self.model))
-        words = f"of at most {max_len - 1:,}"
-        cache = ProgressCache(
-            self.model, max_len, lambda n: progress.say(f"{which} {n:,} {words}")
-        )
+        cache = ProgressCache(self.model, max_len, lambda k: on_step(k, max_len - 1))
         if n_best == 1:
             found = tat.decode_ids(self.model, src_ids, cache=cache, **options)
             return [self.text(ids) for ids in found]
@@ -263,34 +297,42 @@ def check_alpha(alpha):
     _check(_number(alpha) and alpha >= 0, "alpha", alpha, "a finite number >= 0")
 
 
-def decode_options(beam_size=1, alpha=0.6, *, sample=False, flags=False, **sampling):
+def decode_options(beam_size=1, alpha=None, *, sample=False, flags=False, **sampling):
     """Translator.translate's options for greedy decoding (beam_size 1, with the
     key/value cache), the book's beam search of `beam_size` with length-penalty
-    exponent `alpha`, or, with sample=True, sampling (sample_decode) with the
-    options `sampling`: each token drawn from the model's distribution at
-    `temperature`, cut to the top_k most likely tokens and to the top_p of
-    probability, from a generator seeded with `seed` (None: a fresh seed each
-    call). flags=True names the options in its messages as the command line does."""
+    exponent `alpha` (None: ALPHA; refused without a beam, which it would not
+    change), or, with sample=True, sampling (sample_decode) with the options
+    `sampling`: each token drawn from the model's distribution at `temperature`,
+    cut to the top_k most likely tokens and to the top_p of probability, from a
+    generator seeded with `seed` (None: a fresh seed each call). flags=True names
+    the options in its messages as the command line does."""
     with checking_input():
         tat.check_positive_int(beam_size=beam_size)
-    check_alpha(alpha)
+    if alpha is not None:
+        check_alpha(alpha)
     unknown = ", ".join(sorted(set(sampling) - set(SAMPLING)))
     require(not unknown, f"{unknown}: no decoding option; see decode_options.")
     given = [_name(k, flags) for k, v in sampling.items() if v != SAMPLING[k]]
     sampling, s = SAMPLING | sampling, _name("sample", flags)
+    a, b = _name("alpha", flags), _name("beam_size", flags)
+    penalty = f"{a}: the length penalty takes effect only in a beam search"
     if not sample:
         why = f"sampling's options take effect only with {s}"
         require(not given, f"{', '.join(given)}: {why}; add it, or leave them out.")
         if beam_size == 1:
+            beam = f"{penalty} ({b} K, K of at least 2); add one, or leave {a} out."
+            require(alpha is None, beam)
             return dict(decode=tat.greedy_decode)
+        alpha = ALPHA if alpha is None else alpha
         return dict(decode=tat.beam_search, beam_size=beam_size, alpha=alpha)
     t, k, p, seed = sampling.values()
     _check(_number(t) and t > 0, "temperature", t, "a finite number above 0")
     _check(k is None or type(k) is int and k >= 1, "top_k", k, "a whole number >= 1")
     _check(p is None or _number(p) and 0 < p <= 1, "top_p", p, "in (0, 1]")
     _check(seed is None or type(seed) is int, "seed", seed, "a whole number")
-    beam = f"{_name('beam_size', flags)} {beam_size}"
+    beam = f"{b} {beam_size}"
     require(beam_size == 1, f"{s} draws and {beam} searches: choose one.")
+    require(alpha is None, f"{penalty}, and {s} draws: leave {a} out.")
     return dict(decode=sample_decode, **sampling)
 
 
