@@ -111,3 +111,9 @@ def test_the_installed_command_line_answers_help_from_an_empty_folder(
     for command in ("train", "translate", "evaluate"):
         assert command in out
     assert list(tmp_path.iterdir()) == []  # asking for help writes nothing
+
+
+def test_the_installed_console_script_is_the_command_line(installed, tmp_path):
+    script = installed.parent / "annotated-transformer"
+    out = run(script, "translate", "--help", cwd=tmp_path)
+    assert "--pretrained" in out and "--checkpoint" in out
