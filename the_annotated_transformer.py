@@ -63,6 +63,7 @@ import functools
 import importlib
 import inspect
 import json
+import logging
 import math
 import numbers
 import os
@@ -4015,7 +4016,9 @@ def from_marian(weights, config, order):
 def optional_module(name):
     """Import `name`, one of the packages a published model needs."""
     try:
-        return importlib.import_module(name)
+        with warnings.catch_warnings():  # what importing it says (tqdm's, in Jupyter)
+            warnings.simplefilter("ignore")
+            return importlib.import_module(name)
     except ImportError:
         need = "pip install huggingface_hub safetensors sentencepiece"
         raise ModuleNotFoundError(f"a published model needs {name}: {need}.") from None
@@ -4059,9 +4062,12 @@ def marian_file(source, name):
         if not (Path(source) / name).is_file():
             raise FileNotFoundError(f"{source} has no {name}: {holds}.")
         return Path(source) / name
-    hub = optional_module("huggingface_hub")
+    download = optional_module("huggingface_hub").hf_hub_download  # sets its logger
+    said = logging.getLogger("huggingface_hub")
+    level = said.level
+    said.setLevel(logging.ERROR)  # not each retry: the error below says what failed
     try:
-        return Path(hub.hf_hub_download(source, name))
+        return Path(download(source, name))
     except (OSError, ValueError) as error:
         why = {"LocalEntryNotFoundError": "no connection, and it is not in the cache"}
         why |= {"RemoteEntryNotFoundError": f"the model has no {name}"}
@@ -4069,6 +4075,8 @@ def marian_file(source, name):
         why = why.get(type(error).__name__, str(error).split("\n")[0])
         fix = "name a folder holding its files, or check the name and the connection"
         raise OSError(f"could not fetch {name} of {source} ({why}): {fix}.") from None
+    finally:
+        said.setLevel(level)
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}

@@ -17,9 +17,7 @@ each as soon as it and every sentence before it are translated. Sampling
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import logging
 import math
 import secrets
 import sys
@@ -226,25 +224,12 @@ def load_pretrained(source, device=None):
     cache) or a folder of its files. A model of another architecture, a missing
     file, a missing package or no connection: one line saying what to do."""
     try:
-        with checking_input(), hub_quiet():
+        with checking_input():
             found = tat.load_marian(source, device or tat.default_device())
     except ImportError as error:  # an optional package: the message says which
         raise OSError(str(error)) from None
     parts = (found.model, found.vocab_src, found.vocab_tgt, found.config)
     return PretrainedTranslator(*parts)
-
-
-@contextlib.contextmanager
-def hub_quiet():
-    """Within it, huggingface_hub says no more than errors (not each retry of a
-    connection that fails: load_pretrained says what failed, once)."""
-    logger = logging.getLogger("huggingface_hub")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def load_translator(path, device=None):
