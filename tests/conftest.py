@@ -42,7 +42,7 @@ NUMERICAL_MODULES = {
     "test_part1_model.py",
     "test_part1_reference.py",
     "test_part2_training.py",
-    "test_part5_decoding.py",
+    "test_part4_decoding.py",
     "test_pretrained.py",
 }
 
@@ -65,7 +65,7 @@ SAME_WORKER = {
     "test_site.py": "the executed book",
     "test_part2_training.py[seed 1]": COPY_SEED_1,
     "test_part2_training.py[seed 2]": "the copy task from seed 2",
-    "test_part5_decoding.py": COPY_SEED_1,
+    "test_part4_decoding.py": COPY_SEED_1,
     "test_cli.py::test_copy_trains_on_the_device_it_is_given_and_prints_the_copies": (
         COPY_SEED_1
     ),

@@ -171,6 +171,6 @@ def test_the_tests_sent_to_one_worker_together_exist():
         assert worker_unit(nodeid) == unit, key
     part2 = "tests/test_part2_training.py::test_x"
     seed_1 = worker_unit(part2 + "[seed 1]")
-    assert seed_1 == worker_unit("tests/test_part5_decoding.py::test_x")
+    assert seed_1 == worker_unit("tests/test_part4_decoding.py::test_x")
     assert worker_unit(part2 + "[seed 2]") not in (seed_1, "test_part2_training.py")
     assert worker_unit(part2 + "[1000]") == "test_part2_training.py"

@@ -808,7 +808,7 @@ def test_greedy_decode_of_a_batch_equals_decoding_each_row_alone():
     # batch of 1 sum their products in other orders, each float32 rounding up to
     # eps = 2^-23 of the largest |log probability| apart, over about 12 steps per
     # encoder layer, 16 per decoder layer and 3 in the generator (the bound of
-    # tests/test_part5_decoding.py). Where the top two lie within twice that, either
+    # tests/test_part4_decoding.py). Where the top two lie within twice that, either
     # choice is right: the rows are compared up to the first such step only.
     with torch.no_grad():
         memory = model.encode(src, src_mask)

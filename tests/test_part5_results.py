@@ -330,7 +330,7 @@ def test_attention_weights_are_those_of_each_greedy_step(translator):
     step_self, step_source = layer.self_attn.attn[0], layer.src_attn.attn[0]
     # The step and the whole pass run layer 0 on the same first k rows, in products
     # of other shapes, so their float32 roundings may differ: to first order, as
-    # tests/test_part5_decoding.py's float32_tolerance bounds a decoder step, up to
+    # tests/test_part4_decoding.py's float32_tolerance bounds a decoder step, up to
     # eps = 2^-23 of the largest size handled for each of a layer's 16 operations,
     # here the scores' (at most `size`); a softmax turns score errors into relative
     # weight errors of twice them, on weights of at most 1.

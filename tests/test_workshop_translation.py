@@ -3,7 +3,7 @@ gives (one answer per sentence, blank ones too; n-best lists from the book's bea
 search; the hard limit; progress, told by the book's key/value cache extended), and
 sampling (filter_log_probs, sample_decode, seeds). The command line's translate is
 tested in tests/test_cli.py; the book's searches and its cache in
-tests/test_part5_decoding.py.
+tests/test_part4_decoding.py.
 """
 
 import io

@@ -146,7 +146,7 @@ def translated_notebook(lang):
 def with_outputs_of(notebook, executed):
     """`notebook` (a translation) with the outputs of `executed` (the English book,
     run): the code cells are the same, character for character, in the same order
-    (tests/test_translation.py checks it), so running them a second time would
+    (tests/test_chinese_edition.py checks it), so running them a second time would
     spend as long again to print the same. `make execute` and tests/test_colab.py
     do run the Chinese notebook itself."""
     ours = [c for c in notebook.cells if c.cell_type == "code"]

@@ -23,7 +23,7 @@ the translated ones (the headings of each msgid and msgstr paired in order), the
 title cell's "Open in Colab" link opens the LANG notebook, and a line under the title
 links to the English edition. A cell without a current translation stops the build,
 which names it; --allow-missing keeps its English instead (for work in progress,
-never for a committed notebook: tests/test_translation.py rebuilds it without).
+never for a committed notebook: tests/test_chinese_edition.py rebuilds it without).
 """
 
 import argparse

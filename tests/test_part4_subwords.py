@@ -1,4 +1,4 @@
-"""Tests for the book's subword vocabularies shared by both languages (Part 5).
+"""Tests for the book's subword vocabularies shared by both languages (Part 4).
 
 A joint byte-level BPE vocabulary learned from the training split, its use in Part 3's
 pipeline (data, encoding), and one matrix for both embeddings and the generator. The
