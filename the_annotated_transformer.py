@@ -147,11 +147,17 @@ def require(ok, message, error=ValueError):
         raise error(message)
 
 
+def is_whole(n):
+    """Whether n is a whole number (an int, not a bool)."""
+    return isinstance(n, numbers.Integral) and not isinstance(n, bool)
+
+
 def check_positive_int(**sizes):
     """Raise a ValueError naming the first argument that is not a positive int."""
     for name, n in sizes.items():
-        whole = isinstance(n, numbers.Integral) and not isinstance(n, bool)
-        require(whole and n >= 1, f"{name} must be a positive integer, got {n!r}.")
+        require(
+            is_whole(n) and n >= 1, f"{name} must be a positive integer, got {n!r}."
+        )
 
 
 def check_widths(d_model, h=1):
@@ -1185,9 +1191,8 @@ show_example(run_tests)
 def check_pad(pad, name):
     """Refuse a padding id that is neither None (no padding) nor an id >= 0 (a
     negative one would pick a column from the end: another token's)."""
-    whole = isinstance(pad, numbers.Integral) and not isinstance(pad, bool)
     what = f"{name} must be a token id (an int >= 0), or None for no padding"
-    require(pad is None or whole and pad >= 0, f"{what}; got {pad!r}.")
+    require(pad is None or is_whole(pad) and pad >= 0, f"{what}; got {pad!r}.")
 
 
 def check_token_ids(pad, **tensors):
@@ -1560,8 +1565,8 @@ def check_smoothing(size, padding_idx, smoothing):
     word to spread over, a smoothing outside [0, 1)."""
     check_positive_int(size=size)
     what = f"a token id in 0..{size - 1}, or None for no padding"
-    inside = padding_idx is None or 0 <= padding_idx < size
     check_pad(padding_idx, "LabelSmoothing: padding_idx")
+    inside = padding_idx is None or padding_idx < size
     require(inside, f"LabelSmoothing: padding_idx must be {what}; got {padding_idx}.")
     few = size - 1 - (padding_idx is not None) < 1 and smoothing > 0
     require(not few, f"LabelSmoothing: size {size} leaves no word to smooth over.")
@@ -3972,6 +3977,16 @@ def marian_order(config, unk=1):
     return [*first, *(i for i in range(config["vocab_size"]) if i not in first[1:])]
 
 
+def marian_ids(order):
+    """Marian's id -> ours, a tensor: marian_order inverted (<pad>, there twice,
+    to the first, our start row: the same vector)."""
+    ours = torch.empty(max(order) + 1, dtype=torch.long)
+    for i, marian in reversed(list(enumerate(order))):
+        ours[marian] = i
+    return ours
+
+
+# %% tags=["hide-input"] jupyter={"source_hidden": true}
 def load_marian_state(model, state):
     """Load `state` (our names, for one shared matrix) into `model`, refusing in one
     line any weight missing, unknown or of another shape; returns it in eval mode."""
@@ -4133,7 +4148,7 @@ def marian_parity(seed=0, max_new_tokens=10):
     theirs, pad = MarianMTModel(config).eval(), config.pad_token_id
     order = marian_order(config.to_dict())
     ours = from_marian(theirs.state_dict(), config.to_dict(), order).double()
-    ours_of = torch.tensor([order.index(i) for i in range(config.vocab_size)])
+    ours_of = marian_ids(order)
     src = torch.tensor([[5, 6, 7, 8, 9, 0], [10, 11, 12, 0, pad, pad]])  # 0: </s>
     mask, never = src != pad, dict(bad_words_ids=[[pad]], forced_eos_token_id=None)
     with torch.no_grad():
@@ -4437,7 +4452,7 @@ attention_weights, and the ids BOS, EOS, PAD, UNK, SPECIALS.
 Saving (Part 4): save_model and load_model (with make_model's arguments),
 without_positional_tables, load_weights, average.
 A published translator (OPUS-MT): load_marian, from_marian, marian_layout,
-marian_order, MarianVocab, MarianTranslator, marian_parity.
+marian_order, marian_ids, MarianVocab, MarianTranslator, marian_parity.
 """
 
 
@@ -4459,7 +4474,7 @@ __all__ = [
     *"attention_weights BOS EOS PAD UNK SPECIALS without_positional_tables".split(),
     *"load_weights average save_model load_model".split(),
     *"load_marian from_marian marian_layout marian_order MarianVocab".split(),
-    *"MarianTranslator marian_parity".split(),
+    *"MarianTranslator marian_parity marian_ids".split(),
 ]
 
 

@@ -108,12 +108,11 @@ def decoding_rows(settings, device, pairs, vocab):
     )
 
 
-OPUS_MT_SIZES = dict(  # Helsinki-NLP/opus-mt-de-en's config.json
+OPUS_MT_SIZES = tat.TINY_MARIAN | dict(  # Helsinki-NLP/opus-mt-de-en's config.json
     vocab_size=58101, d_model=512, encoder_layers=6, decoder_layers=6,
     encoder_attention_heads=8, decoder_attention_heads=8, encoder_ffn_dim=2048,
     decoder_ffn_dim=2048, max_position_embeddings=512, pad_token_id=58100,
-    decoder_start_token_id=58100, eos_token_id=0, activation_function="swish",
-    scale_embedding=True,
+    decoder_start_token_id=58100,
 )  # fmt: skip
 
 
@@ -130,11 +129,12 @@ def peer_models(settings, device):
     return theirs.to(device), ours.to(device)
 
 
-def peer_batches(pairs, n, vocab_size, device, batch_size=64):
-    """n sources of the lengths of the first n pairs' German sides, random ids
-    below vocab_size - 1 (never <pad>) ending in </s> (0), in batches of
-    batch_size of similar length: (Marian's ids, the book's ids, mask)."""
-    generator = torch.Generator().manual_seed(0)
+def peer_batches(pairs, n, config, device, batch_size=64):
+    """n sources of the lengths of the first n pairs' German sides, random ids of
+    the Marian `config`'s below its <pad> (the last) ending in </s> (0), in batches
+    of batch_size of similar length: (Marian's ids, the book's ids, mask)."""
+    vocab_size, generator = config["vocab_size"], torch.Generator().manual_seed(0)
+    to_ours = tat.marian_ids(tat.marian_order(config))
     lengths = sorted(len(src) for src, _ in itertools.islice(itertools.cycle(pairs), n))
     batches = []
     for start in range(0, n, batch_size):
@@ -146,9 +146,7 @@ def peer_batches(pairs, n, vocab_size, device, batch_size=64):
             )
             ids[i, length - 1] = 0
         mask = ids != vocab_size - 1
-        # the book's ids (marian_order): </s> 1, <pad> 2, every other id m is m + 2
-        ours = torch.where(ids == 0, 1, torch.where(mask, ids + 2, tat.PAD))
-        batches.append((ids.to(device), ours.to(device), mask.to(device)))
+        batches.append((ids.to(device), to_ours[ids].to(device), mask.to(device)))
     return batches
 
 
@@ -159,7 +157,7 @@ def peer_rows(settings, device, pairs):
     theirs, ours = peer_models(settings, device)
     steps, n = settings.decode_steps, settings.peer_sentences
     n = n or (1000 if device.type == "cuda" else 64)  # 1,000 take 15 min on 2 cores
-    batches = peer_batches(pairs, n, theirs.config.vocab_size, device)
+    batches = peer_batches(pairs, n, theirs.config.to_dict(), device)
     fixed = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
 
     def book(beam):

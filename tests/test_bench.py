@@ -172,7 +172,7 @@ def test_the_peer_rows_models_decode_the_same_words_from_the_same_sources():
     sources: greedy decoding picks the same tokens on both."""
     theirs, ours = decoding.peer_models(harness.SMOKE, torch.device("cpu"))
     pairs = [(list(range(n)), [1]) for n in (5, 9, 7)]
-    batches = decoding.peer_batches(pairs, 3, theirs.config.vocab_size, "cpu")
+    batches = decoding.peer_batches(pairs, 3, theirs.config.to_dict(), "cpu")
     (ids, book_ids, mask), order = batches[0], tat.marian_order(theirs.config.to_dict())
     with torch.no_grad():
         pad = theirs.config.pad_token_id

@@ -67,7 +67,7 @@ def book_twin(theirs, tables=True):
         weights = {k: v for k, v in weights.items() if "embed_positions" not in k}
     order = tat.marian_order(config)
     ours = tat.from_marian(weights, config, order).double()
-    return ours, torch.tensor([order.index(i) for i in range(config["vocab_size"])])
+    return ours, tat.marian_ids(order)
 
 
 def logits_both_ways(theirs, ours, ours_of):
@@ -188,12 +188,12 @@ def test_a_folder_of_files_translates_word_for_word_as_transformers_does(
 ):
     folder, theirs = marian_folder
     tokenizer = MarianTokenizer.from_pretrained(folder)
+    ours_of = tat.marian_ids(tat.marian_order(theirs.config.to_dict()))
     translator = tat.load_marian(folder, device="cpu")
     pad = theirs.config.pad_token_id
     for sentence in ("Ein Mann liest ein Buch.", "Zwei Hunde spielen im Garten."):
         src = tokenizer(sentence, return_tensors="pt").input_ids
-        ours_of = [tat.marian_order(theirs.config.to_dict()).index(i) for i in src[0]]
-        assert translator.encode([sentence]) == [ours_of]
+        assert translator.encode([sentence]) == [ours_of[src[0]].tolist()]
         extra = 10  # decode_ids: the source's length + max_extra positions
         with torch.no_grad():
             out = theirs.generate(
