@@ -112,10 +112,10 @@ class ChartOutput:
 
 
 # %% tags=["hide-input"] jupyter={"source_hidden": true}
-# What the book imports inside its functions, at requirements.txt's pins (a test
-# keeps them equal). A notebook opened alone, as in Colab, may lack some of them.
-# Torch, NumPy and pandas are never installed here: every notebook service has
-# them, and replacing one that is already loaded would need a restart.
+# What the book imports inside its functions, and the versions a notebook opened
+# alone (as in Colab) installs where they are missing: the book's own pins, which
+# the project's tests run it with. Torch, NumPy and pandas are never installed here:
+# every notebook service has them, and replacing one already loaded needs a restart.
 LATER_IMPORTS = {
     "altair": "altair==6.3.0",
     "vl_convert": "vl-convert-python==1.9.0.post1",
@@ -1876,9 +1876,6 @@ def example_overfit_one_batch():
     losses = overfit_one_batch()
     shown = ", ".join(f"{k}: {losses[k]:.4f}" for k in [*range(0, 60, 10), 59])
     print(f"one batch learnt by heart, loss per token after k steps: {shown}")
-
-
-show_example(example_overfit_one_batch)
 
 
 show_example(example_overfit_one_batch)

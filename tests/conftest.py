@@ -21,6 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from filelock import FileLock
 
 # The repository root is on sys.path through pyproject.toml's `pythonpath = ["."]`.
 import the_annotated_transformer as tat
@@ -51,65 +52,6 @@ NUMERICAL_MODULES = {
 EXPECT_CAPABILITY_ENV = "EXPECT_CPU_CAPABILITY"
 
 
-# `make test` and the first pass of `make check` run in pytest-xdist workers
-# (`-n auto --dist loadfile`). Each file goes whole to one worker, so that its module
-# fixtures are made once; the tests below that share an expensive session fixture
-# go to one worker as one unit, so that it is made once too. (xdist's own
-# `loadgroup` cannot do this here: it renames each test's id, and pytest 9 ignores
-# the new name.) Keys: a file, a file's tests with one parameter ("file[id]"), or
-# one test ("file::test").
-COPY_SEED_1 = "the copy task from seed 1"  # trained_copy_task(1), one to two minutes
-SAME_WORKER = {
-    # built_site: `make site` executes the book (three to four minutes on 2 cores).
-    "test_notebook.py": "the executed book",
-    "test_site.py": "the executed book",
-    "test_part2_training.py[seed 1]": COPY_SEED_1,
-    "test_part2_training.py[seed 2]": "the copy task from seed 2",
-    "test_part4_decoding.py": COPY_SEED_1,
-    "test_cli.py::test_copy_trains_on_the_device_it_is_given_and_prints_the_copies": (
-        COPY_SEED_1
-    ),
-}
-# The units that take longest, started first, so that no worker is left with a long
-# one at the end while the other has nothing to do.
-LONGEST_FIRST = [
-    "the executed book",
-    "test_colab.py",
-    "test_cli.py",
-    COPY_SEED_1,
-    "the copy task from seed 2",
-]
-
-
-def worker_unit(nodeid):
-    """The unit of work a test is sent in: its shared fixture's, or its file's."""
-    file, _, rest = nodeid.partition("::")
-    name = Path(file).name
-    test, _, param = rest.partition("[")
-    keys = [f"{name}::{test}", f"{name}[{param.removesuffix(']')}]", name]
-    return next((SAME_WORKER[key] for key in keys if key in SAME_WORKER), name)
-
-
-@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's
-def pytest_xdist_make_scheduler(config, log):
-    """For `--dist loadfile`: xdist's scheduler of scopes, with worker_unit's."""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class SharedFixtureScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid):
-            return worker_unit(nodeid)
-
-        def _assign_work_unit(self, node):
-            first = [unit for unit in LONGEST_FIRST if unit in self.workqueue]
-            for unit in reversed(first):
-                self.workqueue.move_to_end(unit, last=False)
-            super()._assign_work_unit(node)
-
-    return SharedFixtureScheduling(config, log)
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         first_pass_only = item.get_closest_marker("first_pass_only")
@@ -124,7 +66,14 @@ def usable_cores():
     return os.cpu_count() or 1
 
 
+SHARED_ENV = "ANNOTATED_TRANSFORMER_TEST_SHARED"
+
+
 def pytest_configure(config):
+    # One folder for the whole run, made by the first process (the xdist controller,
+    # or the only process) before any worker starts; the workers inherit its path.
+    if SHARED_ENV not in os.environ:
+        config.shared_dir = os.environ[SHARED_ENV] = tempfile.mkdtemp(prefix="tat-")
     # No network in the tests: the Hugging Face hub is never asked, and its cache is
     # an empty folder (the book's OPUS-MT example then runs its offline check).
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -142,6 +91,22 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     shutil.rmtree(getattr(config, "hub_cache", ""), ignore_errors=True)
+    if hasattr(config, "shared_dir"):
+        shutil.rmtree(os.environ.pop(SHARED_ENV), ignore_errors=True)
+
+
+def made_once(name, make):
+    """The folder `name`, filled by `make(folder)` once for the whole run however many
+    pytest-xdist workers ask for it: the first makes it under a file lock, the others
+    wait and find it made (pytest-xdist's recipe for session fixtures)."""
+    folder = Path(os.environ[SHARED_ENV]) / name
+    with FileLock(f"{folder}.lock"):
+        if not (folder / ".made").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            (folder / ".made").touch()
+    return folder
 
 
 def pytest_sessionstart(session):
@@ -236,110 +201,31 @@ def one_cpu_thread():
 
 
 @pytest.fixture(scope="session")
-def built_site(multi30k_dir, tmp_path_factory):
-    """The folder `make site` builds, with the smoke profile (two to three minutes).
+def built_site(multi30k_dir):
+    """The folder `make site` builds, with the smoke profile (two to three minutes,
+    once a run): the tests of the executed notebook and of its page share it. It
+    uses the project's .venv, as `make site` does; the notebook trains its model in
+    memory and writes no run folder."""
 
-    tests/test_notebook.py checks the executed notebook in it and tests/test_site.py
-    its page; both share this one build. It uses the project's .venv, as `make site`
-    does. The notebook trains its model in memory and writes no run folder.
-    """
-    site = tmp_path_factory.mktemp("built_site") / "site"
-    result = subprocess.run(
-        ["make", "--no-print-directory", "site", f"SITE_DIR={site}"],
-        cwd=REPO_ROOT,
-        env={
-            **os.environ,
-            "ANNOTATED_TRANSFORMER_PROFILE": "smoke",
-            "DATA_DIR": str(multi30k_dir),
-        },
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        check=False,
-    )
-    assert result.returncode == 0, (
-        f"make site failed:\n{result.stdout[-3000:]}" + (result.stderr[-3000:])
-    )
-    return site
+    def build(folder):
+        result = subprocess.run(
+            ["make", "--no-print-directory", "site", f"SITE_DIR={folder / 'site'}"],
+            cwd=REPO_ROOT,
+            env={
+                **os.environ,
+                "ANNOTATED_TRANSFORMER_PROFILE": "smoke",
+                "DATA_DIR": str(multi30k_dir),
+            },
+            capture_output=True,
+            text=True,
+            timeout=1200,
+            check=False,
+        )
+        assert result.returncode == 0, (
+            f"make site failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
+        )
 
-
-@pytest.fixture(scope="session")
-def executed_notebook(built_site):
-    """The book with every cell run (smoke profile), as `make site` saved it."""
-    return built_site / "the_annotated_transformer.ipynb"
-
-
-# ---------------------------------------------------------------------------
-# A browser: Debian's headless Chromium, for the rendered book and JupyterLab
-
-# Headless, no profile state, none of Chromium's own background traffic; the host
-# resolver rule makes any request for a remote page, script or font fail at once,
-# except for 127.0.0.1, where the JupyterLab test's server listens.
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",  # containers get a 64 MB /dev/shm: use /tmp instead
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-quic",
-    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
-]
-
-
-def chromium_or_skip(environ):
-    """The path of Debian's chromium; skip without it, but fail in CI."""
-    path = shutil.which("chromium") or shutil.which("chromium", path="/usr/bin")
-    if path:
-        return path
-    message = (
-        "Chromium is not installed, so the book cannot be opened in a browser. "
-        "Install Debian's package: `apt-get install --no-install-recommends chromium` "
-        "(.ci/run does)."
-    )
-    skip_or_fail_in_ci(environ, message)
-
-
-@pytest.fixture(scope="session")
-def chromium():
-    return chromium_or_skip(os.environ)
-
-
-def run_chromium(chromium, url, profile, *args):
-    """Run headless Chromium on `url` with a fresh profile folder; return its stdout."""
-    result = subprocess.run(
-        [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args, url],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert result.returncode == 0, f"chromium failed:\n{result.stderr[-3000:]}"
-    return result.stdout
-
-
-def fold_tag(cell):
-    """The Jupyter Book tag that folds a code cell, or None: hide-input (the code
-    folded, the output shown), hide-output (the reverse) or hide-cell (both, in one
-    fold; it wins over the other two). The site folds by these tags
-    (tools/offline.html.j2); JupyterLab collapses by the cell's jupyter.source_hidden
-    and outputs_hidden, which the book sets beside them."""
-    tags = cell.metadata.get("tags", []) if cell.cell_type == "code" else []
-    folding = [tag for tag in ("hide-cell", "hide-input", "hide-output") if tag in tags]
-    return folding[0] if folding else None
-
-
-def book_title():
-    """The book's title: the first heading of the notebook's first cell."""
-    import nbformat
-
-    notebook = REPO_ROOT / "notebooks" / "the_annotated_transformer.ipynb"
-    first = nbformat.read(notebook, as_version=4).cells[0].source
-    heading = first.lstrip().partition("\n")[0]
-    assert heading.startswith("# "), f"the first cell starts with {heading!r}"
-    return heading[2:].strip()
+    return made_once("built_site", build) / "site"
 
 
 # ---------------------------------------------------------------------------
@@ -454,11 +340,18 @@ def multi30k_server(multi30k_dir, tmp_path, monkeypatch):
 @functools.cache
 def trained_copy_task(seed):
     """(model, history, config): the copy task trained with its default settings
-    from `seed`. Part 2's tests check that it copies; Part 4's decoding tests search
-    with it."""
+    from `seed` (one to two minutes, once a run, however many workers ask). Part 2's
+    tests check that it copies; Part 4's decoding tests search with it."""
     config = tat.CopyTaskConfig(seed=seed)
-    model, history = tat.train_copy_task(config, quiet=True, device="cpu")
-    return model.eval(), history, config
+
+    def train(folder):
+        model, history = tat.train_copy_task(config, quiet=True, device="cpu")
+        tat.save_model(model, folder / "model.pt")
+        (folder / "history.json").write_text(json.dumps(history))
+
+    folder = made_once(f"copy_task_seed_{seed}", train)
+    history = json.loads((folder / "history.json").read_text())
+    return tat.load_model(folder / "model.pt").eval(), history, config
 
 
 # ---------------------------------------------------------------------------
@@ -473,20 +366,14 @@ def smoke_config(**overrides):
     return settings.RunConfig.from_profile("smoke", **{**changes, **overrides})
 
 
-def train_run(config, multi30k_dir, tmp_path_factory, name):
-    """Train `config` quietly into a fresh folder; returns (out, history)."""
-    out = tmp_path_factory.mktemp(name)
-    history = training.train_model(config, multi30k_dir, out, quiet=True)
+@pytest.fixture(scope="session")
+def smoke_run(multi30k_dir, tmp_path_factory):
+    """A two-epoch smoke-profile run, uninterrupted: (out, history)."""
+    out = tmp_path_factory.mktemp("smoke_run")
+    history = training.train_model(smoke_config(), multi30k_dir, out, quiet=True)
     return SimpleNamespace(out=out, history=history)
 
 
-@pytest.fixture(scope="session")
-def smoke_run(multi30k_dir, tmp_path_factory):
-    """A two-epoch smoke-profile run, uninterrupted."""
-    return train_run(smoke_config(), multi30k_dir, tmp_path_factory, "smoke_run")
-
-
-# tests/test_part5_results.py overrides this one with the book's attention.
 @pytest.fixture(scope="module")
 def translator(smoke_run):
     return translation.load_translator(smoke_run.out / "last.pt", device="cpu")

@@ -1,37 +1,26 @@
-"""workshop.report.reports: what a reproduced run's record becomes (the Results row, the
-Markdown page and its speed line). The reports of a whole `reproduce` run are
-tested with that command in tests/test_workshop_reproduce.py.
-
-These tests need no data and train nothing.
-"""
-
-from pathlib import Path
-
-import pytest
+"""workshop.report.reports: what a reproduced run's record becomes, on records built
+here (the files a whole `reproduce` run writes: tests/test_workshop_reproduce.py)."""
 
 from workshop.report import reports
 
-pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
-
-def test_a_record_older_than_its_provenance_fields_still_renders():
-    """results/multi30k.json was written before records named their commit and torch:
-    its page says so instead of failing with a KeyError."""
-    import json
-
-    committed = Path(__file__).resolve().parent.parent / "results" / "multi30k.json"
-    record = json.loads(committed.read_text())
-    assert "torch" not in record  # control: the record is the old kind
-    page = reports.results_markdown(record)
-    assert "Scored before records named their commit and torch version." in page
-    assert "Scored from" not in page
+def test_the_provenance_line_says_what_scored_a_record_and_on_how_much():
+    old = "Scored before records named their commit and torch version."
+    assert reports.provenance_line({}) == old
+    record = dict(torch="2.5", commit="0123456789abcdef", uncommitted_changes=True)
+    record.update(training=[dict(torch="2.4")], limit=9)
+    assert reports.provenance_line(record) == (
+        "Scored from commit `0123456789ab` with uncommitted changes with torch 2.5. "
+        "Trained with torch 2.4. **Only the first 9 sentences of each split were "
+        "scored**: these are not results to compare."
+    )
+    said = "Scored from outside a git checkout with torch 2.5."
+    assert reports.provenance_line(dict(torch="2.5", commit=None)) == said
 
 
 def test_the_speed_line_weighs_each_epoch_by_its_time():
-    history = [
-        {"tokens_per_s": 1000.0, "seconds": 100.0},  # 100,000 tokens
-        {"tokens_per_s": 3000.0, "seconds": 100.0},  # 300,000 tokens
-    ]
+    history = [dict(tokens_per_s=1000.0, seconds=100.0)]  # 100,000 tokens
+    history.append(dict(tokens_per_s=3000.0, seconds=100.0))  # 300,000 tokens
     line = reports._speed_line(history)
     assert "2,000 target tokens/s over 2 epochs" in line  # 400,000 in 200 s
     assert "0.40 M target tokens in 3 min" in line
