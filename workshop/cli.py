@@ -21,8 +21,8 @@ from workshop.errors import exit_status, is_expected, is_out_of_memory
 from workshop.files import why_unwritable
 
 # The book's DATA_ENV and the names of workshop.run.settings.TRAIN_PROFILES, in its
-# order (tests/test_workshop_cli.py holds each equal to its source): named here so that the
-# help is written, and a profile's name checked, without importing torch.
+# order (tests/test_workshop_cli.py holds each equal to its source): named here so
+# that the help is written, and a profile's name checked, without importing torch.
 DATA_ENV = "ANNOTATED_TRANSFORMER_DATA"
 PROFILE_NAMES = ("smoke", "quick", "multi30k", "base")
 
