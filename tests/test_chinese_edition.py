@@ -6,10 +6,12 @@ cell turns its entry fuzzy) and the glossary that fixes each term's Chinese form
 notebooks/the_annotated_transformer.zh.ipynb is built from the two. These tests fail
 when a markdown cell has no current translation, when the Chinese notebook's code is
 not the book's to the character, when the notebook is not what the catalogue builds,
-when a heading or a link to one does not resolve, and when a glossary term appears
-in English in the Chinese prose. The controls run on a temporary copy of the book and
-of the catalogue, every entry given a stand-in translation. (tests/test_site.py checks
-the Chinese page, tests/test_colab.py runs the Chinese notebook alone.)
+when a heading or a link to one does not resolve, when a glossary term appears in
+English in the Chinese prose, when a cell renders a term otherwise than the glossary,
+and when a core term's English gloss is missing, repeated or not at its first use.
+The controls run on a temporary copy of the book and of the catalogue, every entry
+given a stand-in translation, or one slip made. (tests/test_site.py checks the
+Chinese page, tests/test_colab.py runs the Chinese notebook alone.)
 """
 
 import re
@@ -184,6 +186,43 @@ def test_no_glossary_term_stands_in_english_in_the_chinese_prose(chinese):
         assert lowered.setdefault(english.lower(), chinese_form) == chinese_form
     for source in markdown_of(chinese.cells):
         assert translation.glossary_problems(source, GLOSSARY) == [], source[:80]
+
+
+def test_each_term_is_rendered_one_way_and_glossed_once_at_first_use():
+    """What `python -m tools.translation check zh` says of the catalogue: a cell
+    whose English has a glossary term holds the term's one Chinese form (the same
+    English term, the same Chinese term, in every cell), and each core term is
+    glossed with its English once, at its first use (translations/zh/STYLE.md)."""
+    assert translation.catalogue_problems(LANG) == []
+
+
+def test_the_term_check_finds_another_rendering_and_a_gloss_out_of_place(tmp_path):
+    """Controls on a copy of the catalogue, each found and placed: d2l-zh's 贪心搜索
+    for 贪心解码 in one cell, 记忆 glossed twice, 束搜索 glossed after its first use,
+    困惑度 never glossed."""
+    catalogue = tmp_path / CATALOGUE.name
+    shutil.copy(CATALOGUE, catalogue)
+    entries = polib.pofile(str(catalogue), wrapwidth=0)
+
+    def edit(old, new, english=""):  # in the first cell holding `old` (and `english`)
+        entry = next(e for e in entries if old in e.msgstr and english in e.msgid)
+        entry.msgstr = entry.msgstr.replace(old, new)
+        return entry.msgctxt
+
+    other = edit("贪心解码", "贪心搜索", "Beam search beside greedy decoding")
+    again = edit("得到记忆；", "得到记忆（memory）；")
+    first = edit("束搜索（beam search）", "束搜索")
+    later = edit("*束搜索*", "*束搜索*（beam search）")
+    edit("困惑度（perplexity）", "困惑度")
+    entries.save(str(catalogue))
+    memory = next(e.msgctxt for e in entries if "（memory）" in e.msgstr)
+    assert translation.catalogue_problems(LANG, BOOK, catalogue) == [
+        f"{other!r}: zh glossary: 'greedy decoding' in the English, but not 贪心解码 "
+        "in the translation",
+        f"zh glossary: 记忆 glossed 2 times: {[memory, again]}",
+        f"zh glossary: 束搜索 glossed in {later!r}, first used in {first!r}",
+        "zh glossary: 困惑度 (perplexity) is never glossed",
+    ]
 
 
 @pytest.mark.parametrize(

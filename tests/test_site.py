@@ -257,7 +257,7 @@ def non_blank(text):
     return [line.rstrip() for line in text.splitlines() if line.strip()]
 
 
-def check_folds(browser, cells, clicks="webdriver"):
+def check_folds(browser, cells, edition="en", clicks="webdriver"):
     """The open page folds each code cell with a fold tag (but a hide-output cell
     without output: nothing to fold), in order, each closed with its tag's part
     hidden; a click on a fold's summary opens it, showing the cell's code and
@@ -270,8 +270,8 @@ def check_folds(browser, cells, clicks="webdriver"):
     for opened in (False, True, False):
         expected = []
         for cell, (kind, what, hides_code, hides_output) in folded:
-            words = f"{'hide' if opened else 'show'} {what}"
-            words = words.removesuffix("" if cell.outputs else " and output")
+            what = what if cell.outputs else what.removesuffix(" and output")
+            words = export_html.CHROME[edition][what][opened]
             code = non_blank(cell.source) if opened or not hides_code else None
             output = (opened or not hides_output) if cell.outputs else None
             expected.append([f"jp-Fold-{kind}", opened, words, code, output])
@@ -284,7 +284,7 @@ def check_folds(browser, cells, clicks="webdriver"):
 
 
 def test_every_folded_cell_of_the_book_is_a_closed_fold_that_a_click_opens(opened):
-    check_folds(opened[3], opened[2].cells, clicks="page")
+    check_folds(opened[3], opened[2].cells, opened[0], clicks="page")
 
 
 def test_each_fold_tag_folds_its_part_of_a_cell(tmp_path):

@@ -15,7 +15,8 @@ hide-output and hide-cell tags) are closed <details> folds, which the browser op
 on a click without any script (the template's codecell, input_group and
 output_group blocks). A translated edition (`--lang zh`) names its language in the
 page and a font stack for its script that falls back sensibly on readers' machines
-(FONT_STACKS); the site puts a link to each edition at the top of each page
+(FONT_STACKS) and says the page's own words, such as the folds' "show code", in
+it (CHROME); the site puts a link to each edition at the top of each page
 (`editions`).
 tools.build_site (`make site`) uses it too; tests/test_site.py opens its page in
 headless Chromium.
@@ -144,6 +145,25 @@ FONT_STACKS = {
 }
 
 
+# The page's own words, in each edition's language (English where one is not
+# named): a fold's summary by what the fold holds (tools/offline.html.j2), and the
+# name of the list of editions, for screen readers.
+CHROME = {
+    "en": {
+        "code": ("show code", "hide code"),
+        "output": ("show output", "hide output"),
+        "code and output": ("show code and output", "hide code and output"),
+        "editions": "Editions",
+    },
+    "zh": {
+        "code": ("显示代码", "隐藏代码"),
+        "output": ("显示输出", "隐藏输出"),
+        "code and output": ("显示代码和输出", "隐藏代码和输出"),
+        "editions": "版本",
+    },
+}
+
+
 class InteractiveCharts(Preprocessor):
     """Put each Vega-Lite output in the page as a chart that Vega-Embed draws (in
     place of its PNG), and Vega-Embed's JavaScript in the page once."""
@@ -205,6 +225,7 @@ def export_html(
             for lang, label, href in editions
         ],
         "links": links or {},
+        "chrome": CHROME.get(language, CHROME["en"]),
     }
     exporter = make_exporter(language)
     body, _ = exporter.from_notebook_node(nb, resources=resources)

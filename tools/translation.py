@@ -59,7 +59,7 @@ LANGUAGES = {
     "zh": Language(
         name="Chinese (Simplified)",
         edition_line=(
-            "[English edition]({english}) · 这是本书的中文版：代码单元与英文原版"
+            "[English edition]({english}) · 这是本书的中文版：代码单元格与英文原版"
             "逐字相同，只有文字是译文。"
         ),
     ),
@@ -354,22 +354,32 @@ def relink(markdown, mapping):
 # The glossary: each term's English form stays out of the translated prose
 
 
-def read_glossary(path):
-    """{English term: Chinese form} of a glossary file (tab-separated, # comments,
-    a header line `english<TAB>chinese`)."""
-    terms = {}
+def glossary_rows(path):
+    """(English, Chinese, note) of each term of a glossary file (tab-separated, #
+    comments, a header line `english<TAB>chinese`); the note, an optional third
+    column, is "gloss" for a core term, glossed once at its first use."""
+    rows = []
     for number, line in enumerate(Path(path).read_text("utf-8").splitlines(), 1):
         if not line.strip() or line.startswith("#"):
             continue
-        english, tab, chinese = line.partition("\t")
-        if not tab or not chinese.strip():
+        english, chinese, note = (line.split("\t") + [""])[:3]
+        if "\t" not in line or not chinese.strip():
             raise TranslationError(
                 f"{path}:{number}: not ENGLISH<TAB>CHINESE: {line!r}"
             )
-        if (english, chinese) == ("english", "chinese"):
-            continue
-        terms[english.strip()] = chinese.strip()
-    return terms
+        if (english, chinese) != ("english", "chinese"):
+            rows.append((english.strip(), chinese.strip(), note.strip()))
+    return rows
+
+
+def read_glossary(path):
+    """{English term: Chinese form} of a glossary file (glossary_rows)."""
+    return {english: chinese for english, chinese, _ in glossary_rows(path)}
+
+
+def core_terms(path):
+    """The English terms a glossary marks "gloss": each glossed once, at first use."""
+    return [english for english, _, note in glossary_rows(path) if note == "gloss"]
 
 
 DISPLAY_MATH = re.compile(
@@ -408,25 +418,31 @@ def term_pattern(term):
     return re.compile(rf"(?<![A-Za-z0-9_-]){words}(?![A-Za-z0-9_-])", re.I)
 
 
-def glossary_problems(markdown, glossary):
-    """Each place where a glossary term's English form stands in the translated
-    prose: 'term' in '...context...'. Longest terms first, so that a phrase is read
-    as itself and not as its words; a term kept in English (its Chinese form is the
-    English) is allowed, and so is a gloss in full-width parentheses right after a
-    Chinese term when the term it glosses is written in Chinese in the same
-    sentence: 束搜索（beam search）."""
-    text = prose(markdown)
-    found, taken = [], [False] * len(text)
+def english_forms(text, glossary):
+    """(term, match) of each glossary term's English form in `text` (prose), the
+    longest terms first, so that a phrase is read as itself and not as its words;
+    a term kept in English (its Chinese form is the English) is left out."""
+    taken = [False] * len(text)
     for term in sorted(glossary, key=len, reverse=True):
         for match in term_pattern(term).finditer(text):
             start, end = match.span()
             if any(taken[start:end]):
                 continue
             taken[start:end] = [True] * (end - start)
-            if glossary[term].lower() == term.lower():
-                continue  # kept in English on purpose (Transformer, softmax, ...)
-            if glossed(text, start, end, glossary[term]):
-                continue
+            if glossary[term].lower() != term.lower():
+                yield term, match
+
+
+def glossary_problems(markdown, glossary):
+    """Each place where a glossary term's English form stands in the translated
+    prose: 'term' in '...context...'. Allowed: a term kept in English
+    (Transformer, softmax, ...), and a gloss in full-width parentheses right after a
+    Chinese term when the term it glosses is written in Chinese in the same
+    sentence: 束搜索（beam search）."""
+    text, found = prose(markdown), []
+    for term, match in english_forms(text, glossary):
+        start, end = match.span()
+        if not glossed(text, start, end, glossary[term]):
             context = text[max(0, start - 20) : end + 20].replace("\n", " ")
             found.append(
                 f"{match.group(0)!r} (glossary: {glossary[term]}) in {context!r}"
@@ -448,15 +464,53 @@ def glossed(text, start, end, chinese):
     return False
 
 
+def rendering_problems(english, translated, glossary):
+    """Each glossary term of the English cell's prose (english_forms: a phrase
+    read as itself) whose one Chinese form is not in the translation's prose: the
+    same English term, the same Chinese term, in every cell."""
+    theirs = prose(translated)
+    used = dict.fromkeys(term for term, _ in english_forms(prose(english), glossary))
+    return [
+        f"{term!r} in the English, but not {glossary[term]} in the translation"
+        for term in used
+        if glossary[term] not in theirs
+    ]
+
+
+def gloss_problems(cells, glossary, core):
+    """The first-use rule over the translated cells [(key, markdown)], in the
+    book's order: a term's Chinese form glossed with its English at most once, in
+    the first cell that uses the form (one of two characters or more), and each
+    core term glossed."""
+    first, glossed_in = {}, {}
+    for key, markdown in cells:
+        text = prose(markdown)
+        for chinese in glossary.values():
+            if chinese in text:
+                first.setdefault(chinese, key)
+        for term, _ in english_forms(text, glossary):
+            glossed_in.setdefault(glossary[term], []).append(key)
+    problems = [
+        f"{chinese} glossed in {keys[0]!r}, first used in {first.get(chinese)!r}"
+        if len(keys) == 1
+        else f"{chinese} glossed {len(keys)} times: {keys}"
+        for chinese, keys in glossed_in.items()
+        if len(keys) > 1 or len(chinese) > 1 and keys[0] != first.get(chinese)
+    ]
+    unglossed = [t for t in core if glossary[t] not in glossed_in]
+    return problems + [f"{glossary[t]} ({t}) is never glossed" for t in unglossed]
+
+
 def entry_problems(english, translated, lang):
-    """What is wrong with one translated cell: its headings, and its glossary."""
+    """What is wrong with one translated cell: its headings, and its glossary (a
+    term's English form in the prose, or another rendering of it)."""
     problems = heading_problems(english, translated)
     path = glossary_path(lang)
     if path.is_file():
         glossary = read_glossary(path)
-        problems += [
-            f"{lang} glossary: {p}" for p in glossary_problems(translated, glossary)
-        ]
+        found = glossary_problems(translated, glossary)
+        found += rendering_problems(english, translated, glossary)
+        problems += [f"{lang} glossary: {p}" for p in found]
     return problems
 
 
@@ -606,17 +660,25 @@ def untranslated_cells(lang, book=BOOK, catalogue=None):
 
 
 def catalogue_problems(lang, book=BOOK, catalogue=None):
-    """Every cell of the book without a current translation, and every current
-    translation with headings or glossary terms out of place."""
+    """Every cell of the book without a current translation, every current
+    translation with headings or glossary terms out of place, and every break of
+    the glossary's first-use rule (gloss_problems)."""
     path = Path(catalogue or catalogue_path(lang))
     problems = [f"{k!r}: {why}" for k, why in untranslated_cells(lang, book, path)]
     entries = polib.pofile(str(path)) if path.is_file() else []
     by_key = {(e.msgctxt, e.msgid): e for e in entries if current(e)}
+    translated = []
     for key, source in english_cells(book):
         entry = by_key.get((key, source))
         if entry is not None:
             found = entry_problems(source, entry.msgstr, lang)
             problems += [f"{key!r}: {problem}" for problem in found]
+            translated.append((key, entry.msgstr))
+    glossary = glossary_path(lang)
+    if glossary.is_file():
+        terms, core = read_glossary(glossary), core_terms(glossary)
+        found = gloss_problems(translated, terms, core)
+        problems += [f"{lang} glossary: {problem}" for problem in found]
     return problems
 
 
