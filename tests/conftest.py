@@ -1,10 +1,9 @@
-"""Shared test setup: the numerical tests' marker and the check of their second pass.
-
-Below them: the fixtures and helpers that tests in more than one file
-use (the book's Part 3 and 5 tests and the workshop package's tests): Multi30k split
-files and a local download server, smoke-profile training runs and their checkpoints,
-and the results' stand-ins and runs.
-"""
+"""Shared test setup: the numerical tests' marker and the check of their second pass,
+the run's shared folder, in which `made_once` makes the few expensive things several
+test files need (the website, the copy task from a seed) once for all xdist workers,
+and the fixtures and helpers tests in more than one file use: Multi30k split files and
+a local download server, smoke-profile training runs and their checkpoints, and the
+results' stand-ins and runs. Tolerances: tests/tolerance.py."""
 
 import functools
 import gzip

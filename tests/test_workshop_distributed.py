@@ -176,3 +176,27 @@ def test_the_processes_must_be_no_more_than_the_examples():
 def test_each_process_draws_each_epoch_from_a_seed_of_its_own():
     triples = [(seed, e, rank) for seed in (0, 1) for e in (0, 1, 2) for rank in (0, 1)]
     assert len({distributed.epoch_seed(*triple) for triple in triples}) == 12
+
+
+@pytest.mark.parametrize("cpus, world, share", [(8, 2, 4), (2, 2, 1), (1, 4, 1)])
+def test_a_spawned_cpu_process_takes_its_share_of_the_cores(
+    monkeypatch, cpus, world, share
+):
+    """On a CPU each process runs on cores // processes threads (at least one), so
+    that two processes on two cores do not take turns; on a GPU torch's default
+    stands."""
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(distributed.os, "cpu_count", lambda: cpus)
+    seen = []
+
+    def worker(rank, world_size, tag):
+        seen.append((rank, world_size, tag, torch.get_num_threads()))
+        return tag
+
+    try:
+        assert distributed.start_process(1, worker, world, ("job",)) == "job"
+        torch.set_num_threads(7)
+        distributed.start_process(0, worker, world, ("gpu",), on_cpu=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [(1, world, "job", share), (0, world, "gpu", 7)]
